@@ -1,0 +1,55 @@
+"""Policy-gradient losses, registered by name (``algorithm.loss``).
+
+A loss takes flat ``[N]`` tensors of one minibatch and the algorithm config and
+returns ``(loss, stats)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+LOSSES: dict[str, Callable] = {}
+
+
+def register_loss(name: str) -> Callable:
+    def decorator(fn: Callable) -> Callable:
+        LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+@register_loss("ppo")
+def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
+             new_value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor,
+             entropy: torch.Tensor, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate + (optionally clipped) value loss - entropy bonus.
+
+    ``loss = -mean(min(r A, clip(r, 1-c, 1+c) A)) + vf_coef * 0.5 * mean((V - R)^2)
+    - ent_coef * mean(H)`` with ``r = exp(new_logprob - old_logprob)``.
+    """
+    log_ratio = new_logprob - old_logprob
+    ratio = log_ratio.exp()
+    policy_loss = torch.max(
+        -advantages * ratio,
+        -advantages * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef),
+    ).mean()
+    if cfg.clip_vloss:
+        clipped = old_value + (new_value - old_value).clamp(-cfg.clip_coef, cfg.clip_coef)
+        value_loss = 0.5 * torch.max((new_value - returns) ** 2, (clipped - returns) ** 2).mean()
+    else:
+        value_loss = 0.5 * ((new_value - returns) ** 2).mean()
+    entropy_mean = entropy.mean()
+    loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy_mean
+    with torch.no_grad():
+        stats = {
+            "policy_loss": policy_loss.item(),
+            "value_loss": value_loss.item(),
+            "entropy": entropy_mean.item(),
+            # unbiased KL estimator k3 (Schulman, "Approximating KL divergence")
+            "approx_kl": ((ratio - 1) - log_ratio).mean().item(),
+            "clip_fraction": ((ratio - 1).abs() > cfg.clip_coef).float().mean().item(),
+        }
+    return loss, stats

@@ -1,0 +1,75 @@
+"""The PPO update: advantages, then epochs of minibatch gradient steps.
+
+Read top to bottom, CleanRL style. ``batch`` holds time-major tensors
+``[T, B, ...]`` from the rollout workers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from embodied.algorithms.advantages import ADVANTAGES
+from embodied.algorithms.losses import LOSSES
+
+
+def compute_advantages(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages[T, B], returns[T, B])`` with the estimator ``cfg.advantage``."""
+    fn = ADVANTAGES[cfg.advantage]
+    return fn(batch["rewards"], batch["values"], batch["dones"], batch["next_value"],
+              gamma=cfg.gamma, gae_lambda=cfg.gae_lambda)
+
+
+def flatten_time(batch: dict, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
+    """[T, B, ...] -> [T*B, ...] for the per-sample tensors the loss needs."""
+    flat = {
+        "obs": {k: v.flatten(0, 1) for k, v in batch["obs"].items()},
+        "actions": batch["actions"].flatten(0, 1),
+        "logprobs": batch["logprobs"].flatten(0, 1),
+        "values": batch["values"].flatten(0, 1),
+    }
+    flat["advantages"] = advantages.flatten(0, 1)
+    flat["returns"] = returns.flatten(0, 1)
+    return flat
+
+
+def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, cfg,
+               generator: torch.Generator | None = None) -> dict[str, float]:
+    """Run ``cfg.update_epochs`` epochs over ``batch``; returns mean training statistics."""
+    advantages, returns = compute_advantages(batch, cfg)
+    data = flatten_time(batch, advantages, returns)
+    n = data["actions"].shape[0]
+    minibatch = max(n // cfg.num_minibatches, 1)
+    stats: dict[str, list[float]] = defaultdict(list)
+    for _epoch in range(cfg.update_epochs):
+        order = torch.randperm(n, generator=generator)
+        epoch_kl = []
+        for start in range(0, n, minibatch):
+            idx = order[start:start + minibatch]
+            adv = data["advantages"][idx]
+            if cfg.normalize_advantages and len(idx) > 1:
+                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            obs = {k: v[idx] for k, v in data["obs"].items()}
+            new_logprob, entropy, new_value = policy.evaluate(obs, data["actions"][idx])
+            loss, step_stats = LOSSES[cfg.loss](
+                new_logprob, data["logprobs"][idx], adv, new_value, data["values"][idx],
+                data["returns"][idx], entropy, cfg,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            step_stats["grad_norm"] = float(grad_norm)
+            for key, value in step_stats.items():
+                stats[key].append(value)
+            epoch_kl.append(step_stats["approx_kl"])
+        stats["epochs"].append(1.0)
+        if cfg.target_kl is not None and sum(epoch_kl) / len(epoch_kl) > cfg.target_kl:
+            break
+    out = {k: sum(v) / len(v) for k, v in stats.items() if k != "epochs"}
+    out["epochs"] = float(len(stats["epochs"]))
+    var_returns = data["returns"].var()
+    out["explained_variance"] = float(1 - (data["returns"] - data["values"]).var() / var_returns) if var_returns > 0 else 0.0
+    return out

@@ -1,0 +1,79 @@
+"""Atomic checkpoints: a crash (even SIGKILL) mid-save never leaves a corrupt or missing one.
+
+Files: ``<run_dir>/checkpoints/ckpt_<iteration>.pt`` and ``latest.json`` naming the
+newest. Each is written to a temporary file, fsynced, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from embodied.errors import UserError
+
+KEEP = 3  # older checkpoints are pruned after a newer one is safely written
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_checkpoint(run_dir: Path, iteration: int, state: dict) -> Path:
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    path = ckpt_dir / f"ckpt_{iteration:06d}.pt"
+    _atomic_write(path, lambda f: torch.save(state, f))
+    _atomic_write(ckpt_dir / "latest.json", lambda f: f.write(json.dumps({"file": path.name}).encode()))
+    for old in sorted(ckpt_dir.glob("ckpt_*.pt"))[:-KEEP]:
+        old.unlink()
+    return path
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file, or a run directory (-> its newest checkpoint)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        latest = ckpt_dir / "latest.json"
+        if latest.exists():
+            candidate = ckpt_dir / json.loads(latest.read_text())["file"]
+            if candidate.exists():
+                return candidate
+        found = sorted(ckpt_dir.glob("ckpt_*.pt"))
+        if found:
+            return found[-1]
+        raise UserError(f"No checkpoint in {path}: expected {ckpt_dir}/ckpt_*.pt written by `embodied train`. "
+                        "Pass checkpoint=<file.pt> or a run directory that has trained for at least "
+                        "runner.checkpoint_every iterations.")
+    if not path.exists():
+        raise UserError(f"Checkpoint not found: {path}. Pass checkpoint=<run_dir> (its newest checkpoint is "
+                        "used) or checkpoint=<run_dir>/checkpoints/ckpt_<iteration>.pt.")
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    path = resolve_checkpoint(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise UserError(f"Checkpoint {path} could not be read ({type(err).__name__}: {err}). "
+                        "Pass another checkpoint from the same run's checkpoints/ folder.") from None

@@ -1,0 +1,247 @@
+"""``embodied``: train | eval | record | check-render | setup-render.
+
+Arguments after the subcommand are Hydra overrides, e.g.
+``embodied train env=maniskill_pickcube algorithm.lr=3e-4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from embodied.errors import UserError
+
+EXIT_USER_ERROR = 2
+EXIT_ENV_CRASH = 3
+
+
+def _quiet() -> None:
+    # SAPIEN warns on every import that it uses its bundled Vulkan loader: harmless
+    warnings.filterwarnings("ignore", message=".*libvulkan.*")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+
+
+def _split(overrides: list[str], key: str) -> tuple[str | None, list[str]]:
+    """Pull ``key=value`` out of the overrides."""
+    value, rest = None, []
+    for item in overrides:
+        if item.startswith(f"{key}="):
+            value = item.split("=", 1)[1] or None
+        else:
+            rest.append(item)
+    return value, rest
+
+
+def config_from_saved(saved_yaml: str, overrides: list[str]):
+    """A run's saved config with command-line overrides on top.
+
+    ``group=option`` replaces that section by ``configs/<group>/<option>.yaml``;
+    ``a.b=value`` sets one key. Unknown keys are UserErrors, as for ``train``.
+    """
+    from omegaconf import OmegaConf
+
+    from embodied.config import CONFIG_DIR, config_groups, validate
+    from embodied.errors import unknown_name_error
+
+    base = OmegaConf.create(saved_yaml)
+    groups = config_groups()
+    dotted = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in groups:
+            if value not in groups[key]:
+                raise unknown_name_error(f"{key} config ({key}=...)", value, groups[key])
+            base[key] = OmegaConf.load(CONFIG_DIR / key / f"{value}.yaml")
+        else:
+            dotted.append(item)
+    return validate(OmegaConf.merge(base, OmegaConf.from_dotlist(dotted)))
+
+
+def _new_run_dir(cfg) -> Path:
+    if cfg.runner.run_dir:
+        return Path(cfg.runner.run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.env.task}-{cfg.policy.name}-{stamp}"
+
+
+def cmd_train(overrides: list[str], print_cfg: bool) -> int:
+    from embodied.checkpoint import load_checkpoint
+    from embodied.config import compose, to_yaml
+    from embodied.evaluate import record_videos, write_eval
+    from embodied.runner import Trainer
+
+    resume, rest = _split(overrides, "resume")
+    resume_state = None
+    if resume:
+        run_dir = Path(resume)
+        if not (run_dir / "config.yaml").exists():
+            raise UserError(f"resume={resume}: no config.yaml there. Pass the run directory that "
+                            "`embodied train` printed as its last line.")
+        resume_state = load_checkpoint(run_dir)
+        cfg = config_from_saved((run_dir / "config.yaml").read_text(), rest)
+        cfg.runner.run_dir = str(run_dir)
+    else:
+        cfg = compose(rest)
+        run_dir = _new_run_dir(cfg)
+    if print_cfg:
+        print(to_yaml(cfg))
+        return 0
+    warm = load_checkpoint(cfg.checkpoint) if cfg.checkpoint and not resume_state else None
+    trainer = Trainer(cfg, run_dir, resume_from=resume_state, warm_start=warm)
+    try:
+        summary = trainer.train()
+        table = write_eval(run_dir, summary)
+        policy = _policy_from_state(cfg, trainer.workers.obs_spec, trainer.workers.action_dim,
+                                    trainer.workers.actor.call("get_weights")[0])
+    finally:
+        trainer.close()
+    if cfg.eval.video_episodes:
+        record_videos(policy, cfg.env, cfg.eval.video_episodes, cfg.eval.seed, run_dir / "videos")
+    t = summary["training"]
+    print(table)
+    print(f"trained {t['env_steps']} env steps in {t['train_minutes']:.1f} min "
+          f"({t['env_steps_per_s']:.0f} env-steps/s); eval over {summary['episodes']} episodes: "
+          f"success_once {summary['success_once']:.3f}")
+    print(run_dir.resolve())
+    return 0
+
+
+def _policy_from_state(cfg, obs_spec, action_dim, weights):
+    from policies.registry import make_policy
+
+    policy = make_policy(cfg.policy, obs_spec, action_dim)
+    policy.load_state_dict(weights)
+    return policy.eval()
+
+
+def _checkpointed(overrides: list[str], required: bool):
+    """(config, checkpoint state or None, checkpoint path or None) for eval / record."""
+    from embodied.checkpoint import load_checkpoint, resolve_checkpoint
+    from embodied.config import compose
+
+    ckpt, rest = _split(overrides, "checkpoint")
+    if ckpt is None:
+        if required:
+            raise UserError("No checkpoint given: pass checkpoint=<run_dir or .pt file> "
+                            "(a run directory printed by `embodied train`).")
+        return compose(rest), None, None
+    path = resolve_checkpoint(ckpt)
+    state = load_checkpoint(path)
+    return config_from_saved(state["config_yaml"], rest), state, path
+
+
+def _out_dir(cfg, ckpt_path: Path | None, name: str) -> Path:
+    if cfg.runner.run_dir:
+        return Path(cfg.runner.run_dir)
+    if ckpt_path is not None:
+        return ckpt_path.parent.parent / name
+    return Path("runs") / f"{name}-{cfg.env.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def cmd_eval(overrides: list[str]) -> int:
+    from embodied.evaluate import summarize, write_eval
+    from embodied.runner import Workers
+
+    cfg, state, path = _checkpointed(overrides, required=True)
+    out_dir = _out_dir(cfg, path, "eval")
+    t0 = time.perf_counter()
+    workers = Workers(cfg)
+    try:
+        workers.actor.call("load_state", state["actor"], weights_only=True)
+        workers.sync_weights()
+        rows = workers.evaluate(cfg.eval.episodes, cfg.eval.seed, cfg.eval.deterministic)
+    finally:
+        workers.shutdown()
+    summary = summarize(rows, cfg.env.task)
+    summary["checkpoint"] = str(path)
+    summary["wall_s"] = time.perf_counter() - t0
+    print(write_eval(out_dir, summary))
+    print(out_dir.resolve())
+    return 0
+
+
+def cmd_record(overrides: list[str]) -> int:
+    from embodied.evaluate import record_videos
+    from policies.registry import make_policy
+
+    cfg, state, path = _checkpointed(overrides, required=False)
+    policy = None
+    if state is not None:
+        policy = make_policy(cfg.policy, state["obs_spec"], state["action_dim"])
+        policy.load_state_dict(state["actor"]["policy"])
+        policy.eval()
+    out_dir = _out_dir(cfg, path, "videos")
+    episodes = max(cfg.eval.video_episodes, 1)
+    for video in record_videos(policy, cfg.env, episodes, cfg.eval.seed, out_dir, cfg.eval.deterministic):
+        print(video.resolve())
+    return 0
+
+
+def cmd_check_render() -> int:
+    from envs.rendering import check_render
+
+    works, message = check_render()
+    print(message)
+    return 0 if works else 1
+
+
+def cmd_setup_render() -> int:
+    from envs.rendering import check_render, install_lavapipe
+
+    print(f"lavapipe Vulkan ICD: {install_lavapipe(verbose=False)}")
+    works, message = check_render()
+    print(message)
+    return 0 if works else 1
+
+
+def _explain(err: BaseException) -> tuple[str, int] | None:
+    """A user-facing (message, exit code) for errors we know how to explain."""
+    from envs.subproc import EnvCrashedError
+
+    try:
+        from ray.exceptions import RayTaskError
+
+        if isinstance(err, RayTaskError) and err.cause is not None:
+            err = err.cause
+    except ImportError:
+        pass
+    if isinstance(err, UserError):
+        return str(err), EXIT_USER_ERROR
+    if isinstance(err, EnvCrashedError):
+        return f"{err}\nThe last checkpoint is kept; continue with `embodied train resume=<run_dir>`.", EXIT_ENV_CRASH
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet()
+    parser = argparse.ArgumentParser(prog="embodied", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["train", "eval", "record", "check-render", "setup-render"])
+    parser.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args.overrides, print_cfg=args.cfg == "job")
+        if args.command == "eval":
+            return cmd_eval(args.overrides)
+        if args.command == "record":
+            return cmd_record(args.overrides)
+        if args.command == "check-render":
+            return cmd_check_render()
+        return cmd_setup_render()
+    except Exception as err:
+        explained = _explain(err)
+        if explained is None:
+            raise
+        message, code = explained
+        print(f"error: {message}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The configuration schema: every key a run reads, with its meaning and default.
+
+Hydra composes ``configs/train.yaml`` and its groups; the result is merged into
+these dataclasses, so a misspelled key is an error naming the key and the
+nearest valid one, never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from embodied.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass
+class EnvConfig:
+    backend: str = "maniskill"  # env backend registered in envs/registry.py
+    task: str = "PushCube-v1"  # simulator task id
+    obs_mode: str = "state"  # "state" or "rgb" (camera image + proprioception)
+    control_mode: str = "pd_joint_delta_pos"
+    reward_mode: str = "normalized_dense"
+    max_episode_steps: int | None = None  # None: the task's own limit
+    num_envs: int = 64  # parallel envs in total (split over placement.env_workers)
+    num_procs: int = 0  # sim processes per env worker; 0 = step in the worker itself
+    sim_backend: str = "auto"  # "physx_cpu" | "physx_cuda" | "auto" (cuda if available)
+    image_size: int = 128  # camera resolution for obs_mode=rgb
+    render_size: int = 256  # resolution of recorded videos
+    timeout_s: float = 120.0  # an env process silent this long is reported as hung
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "mlp"  # registered in policies/registry.py
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256, 256])
+    activation: str = "tanh"
+    log_std_init: float = -0.5  # initial log std of the Gaussian action distribution
+    cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 64])  # cnn only
+    feature_dim: int = 256  # cnn only: image embedding size
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "ppo"
+    advantage: str = "gae"  # registered in embodied/algorithms/advantages.py
+    loss: str = "ppo"  # registered in embodied/algorithms/losses.py
+    lr: float = 3e-4
+    anneal_lr: bool = False  # linearly decay lr to 0 over runner.total_env_steps
+    gamma: float = 0.8
+    gae_lambda: float = 0.9
+    rollout_steps: int = 50  # env steps per env per iteration
+    update_epochs: int = 4
+    num_minibatches: int = 8
+    clip_coef: float = 0.2
+    clip_vloss: bool = False
+    vf_coef: float = 0.5
+    ent_coef: float = 0.0
+    max_grad_norm: float = 0.5
+    target_kl: float | None = 0.1  # stop an update's epochs early past this KL
+    normalize_advantages: bool = True
+    bootstrap_truncated: bool = True  # add gamma * V(final obs) to the reward at time limits
+
+
+@dataclass
+class PlacementConfig:
+    mode: str = "colocated"  # only colocated exists yet (M2Flow modes come next)
+    env_workers: int = 2  # Ray actors that step simulators
+    rollout_workers: int = 1  # Ray actors that run policy inference
+    actor_workers: int = 1  # Ray actors that train
+    env: str = "0-1"  # device range for env workers: GPU ids, or CPU slots without GPUs
+    rollout: str = "0"
+    actor: str = "0"
+    pipeline_stages: int = 1
+    torch_threads: int = 1  # intra-op threads per worker (2 cores: keep 1)
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # None: start a local cluster; else join this one
+    num_cpus: int | None = None  # CPU slots of the local cluster (default: all cores)
+    num_gpus: int | None = None
+
+
+@dataclass
+class EvalConfig:
+    episodes: int = 100  # at least this many (rounded up to whole env batches)
+    seed: int = 1_000_000  # episode k is reset with seed + k
+    deterministic: bool = True  # mean action instead of a sample
+    video_episodes: int = 2  # videos recorded by `train` at its end and by `record`
+
+
+@dataclass
+class RunnerConfig:
+    total_env_steps: int = 1_000_000
+    max_minutes: float | None = None  # stop training after this wall-clock budget
+    eval_every: int = 0  # iterations between evaluations (0: only at the end)
+    checkpoint_every: int = 10  # iterations between checkpoints
+    seed: int = 1
+    run_dir: str | None = None  # None: runs/<task>-<policy>-<timestamp>
+    progress: bool = True  # progress bar on stderr
+
+
+@dataclass
+class TrainConfig:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    checkpoint: str | None = None  # a checkpoint file or run dir: eval/record it, or warm-start train
+    resume: str | None = None  # a run directory to continue training
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Group name -> available options, read from configs/<group>/*.yaml."""
+    return {
+        group.name: sorted(p.stem for p in group.glob("*.yaml"))
+        for group in CONFIG_DIR.iterdir()
+        if group.is_dir()
+    }
+
+
+def _field_names(schema, dotted: str) -> list[str]:
+    node = OmegaConf.structured(schema)
+    for part in dotted.split(".")[:-1]:
+        node = node[part]
+    return [str(k) for k in node.keys()]
+
+
+def _override_error(err: Exception, overrides: list[str]) -> UserError:
+    """Turn Hydra's composition error into one paragraph that names the fix."""
+    text = str(err)
+    missing = re.search(r"Could not find '([\w/]+)/([\w.-]+)'", text) or re.search(
+        r"In '\w+': Could not find '([\w/]+)/([\w.-]+)'", text
+    )
+    if missing:
+        group, option = missing.group(1), missing.group(2)
+        options = config_groups().get(group, [])
+        from embodied.errors import unknown_name_error
+
+        err = unknown_name_error(f"{group} config ({group}=...)", option, options)
+        return UserError(f"{err} Each option is a file configs/{group}/<name>.yaml.")
+    key = re.search(r"Key '(\w+)' is not in struct", text) or re.search(
+        r"Could not override '([\w.]+)'", text
+    )
+    if key:
+        return UserError(f"Bad override: {text.splitlines()[0]} Check the key's spelling with "
+                         "`embodied train --cfg job` (prints every key).")
+    return UserError(f"Could not compose the config from {overrides}: {text.splitlines()[0]}")
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "train") -> TrainConfig:
+    """Compose ``configs/<config_name>.yaml`` with command-line overrides and validate it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = list(overrides or [])
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        try:
+            raw = hydra_compose(config_name=config_name, overrides=overrides)
+        except Exception as err:  # Hydra raises several types; all mean a bad override
+            raise _override_error(err, overrides) from None
+    return validate(raw)
+
+
+def validate(raw: DictConfig | dict) -> TrainConfig:
+    """Merge a plain config into the schema; unknown keys and wrong types are UserErrors."""
+    schema = OmegaConf.structured(TrainConfig)
+    try:
+        merged = OmegaConf.merge(schema, raw)
+    except (ConfigKeyError, ValidationError, OmegaConfBaseException) as err:
+        key = getattr(err, "full_key", None) or ""
+        if isinstance(err, ConfigKeyError) and key:
+            valid = _field_names(TrainConfig, key)
+            close = difflib.get_close_matches(key.split(".")[-1], valid, n=1)
+            hint = f" Did you mean '{'.'.join(key.split('.')[:-1] + close)}'?" if close else ""
+            return_msg = (f"Unknown config key '{key}'.{hint} Valid keys here: {', '.join(valid)}. "
+                          "Fix the override or the yaml file that sets it.")
+            raise UserError(return_msg) from None
+        raise UserError(f"Invalid config value for '{key}': {str(err).splitlines()[0]}. "
+                        "Fix the override or the yaml file that sets it.") from None
+    return OmegaConf.to_object(merged)
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def load_yaml(path: Path) -> TrainConfig:
+    return validate(OmegaConf.load(path))

@@ -1,0 +1,36 @@
+"""Run output a person watches: a progress bar (env-steps/s, ETA) and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+class RunLogger:
+    """TensorBoard scalars under ``<run_dir>/tb`` (namespaces env/, train/, time/, eval/)
+    and a tqdm bar over env steps."""
+
+    def __init__(self, run_dir: Path, total_steps: int, initial_steps: int = 0, progress: bool = True):
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        self.writer = SummaryWriter(str(run_dir / "tb"))
+        self.bar = tqdm(total=total_steps, initial=initial_steps, unit="step", unit_scale=True,
+                        dynamic_ncols=True, disable=not progress, file=sys.stderr, desc="train")
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def advance(self, steps: int, success: float | None = None) -> None:
+        if success is not None:
+            self.bar.set_postfix(success_once=f"{success:.2f}", refresh=False)
+        self.bar.update(steps)
+
+    def close_progress(self) -> None:
+        self.bar.close()
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()

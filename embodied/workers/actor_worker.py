@@ -1,0 +1,53 @@
+"""ActorWorker: holds the trainable policy and optimizer; turns trajectories into updates."""
+
+from __future__ import annotations
+
+import torch
+
+from embodied.algorithms.ppo import ppo_update
+from embodied.workers.rollout_worker import merge_trajectories
+from policies.registry import make_policy
+from scheduler.worker import Worker
+
+
+class ActorWorker(Worker):
+    def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int, seed: int, **kwargs):
+        super().__init__(**kwargs)
+        torch.manual_seed(seed)
+        self.cfg = algorithm_cfg
+        self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=algorithm_cfg.lr, eps=1e-5)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def get_weights(self) -> dict:
+        return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def update(self, *trajectories: dict) -> dict[str, float]:
+        """One PPO update on the trajectories of every rollout worker."""
+        batch = merge_trajectories(list(trajectories))
+        batch = _to(batch, self.device)
+        self.policy.train()
+        return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator)
+
+    def state(self) -> dict:
+        """Everything a checkpoint needs to continue training exactly."""
+        return {"policy": self.get_weights(), "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
+
+    def load_state(self, state: dict, weights_only: bool = False) -> None:
+        self.policy.load_state_dict(state["policy"])
+        if weights_only:
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def _to(batch, device):
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch.to(device)

@@ -1,0 +1,185 @@
+"""ManiSkill3 behind the :class:`~envs.base.VecEnv` protocol.
+
+Two backends, chosen by ``env.sim_backend``:
+
+* ``physx_cpu``: one SAPIEN scene per env (ManiSkill allows only one per process
+  on CPU), vectorized with :class:`~envs.subproc.SubprocVecEnv`.
+* ``physx_cuda``: ``num_envs`` scenes in one process on the GPU.
+
+``auto`` picks ``physx_cuda`` when CUDA is available, else ``physx_cpu``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from envs.base import EpisodeTracker, Obs, StepResult
+from envs.registry import register_env
+from envs.rendering import ensure_vulkan_icd
+from envs.subproc import SubprocVecEnv
+
+
+@dataclass(frozen=True)
+class ManiSkillSpec:
+    """Everything needed to build one ManiSkill env (picklable, sent to workers)."""
+
+    task: str
+    obs_mode: str  # "state" | "rgb"
+    control_mode: str
+    reward_mode: str
+    max_episode_steps: int
+    image_size: int
+    render_size: int
+    render_backend: str
+
+
+def known_tasks() -> list[str]:
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    return sorted(REGISTERED_ENVS)
+
+
+def default_max_episode_steps(task: str) -> int:
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    return int(REGISTERED_ENVS[task].max_episode_steps or 100)
+
+
+def _gym_make(spec: ManiSkillSpec, num_envs: int, sim_backend: str):
+    import gymnasium as gym
+    import mani_skill.envs  # noqa: F401  (registers the tasks)
+    from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
+
+    env = gym.make(
+        spec.task,
+        num_envs=num_envs,
+        obs_mode=spec.obs_mode,
+        control_mode=spec.control_mode,
+        reward_mode=spec.reward_mode,
+        sim_backend=sim_backend,
+        render_backend=spec.render_backend,
+        render_mode="rgb_array",
+        max_episode_steps=spec.max_episode_steps,
+        sensor_configs=dict(width=spec.image_size, height=spec.image_size),
+        human_render_camera_configs=dict(width=spec.render_size, height=spec.render_size),
+    )
+    if spec.obs_mode != "state":
+        env = FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=True)
+    return env
+
+
+def _as_obs_dict(obs) -> dict[str, torch.Tensor]:
+    return {"state": obs} if isinstance(obs, torch.Tensor) else dict(obs)
+
+
+class ManiSkillCPUEnv:
+    """One ``physx_cpu`` ManiSkill env with numpy I/O (a :class:`~envs.subproc.SingleEnv`)."""
+
+    def __init__(self, spec: ManiSkillSpec):
+        ensure_vulkan_icd()
+        self.spec = spec
+        self.env = _gym_make(spec, num_envs=1, sim_backend="physx_cpu")
+        self.max_episode_steps = spec.max_episode_steps
+        self.action_dim = int(np.prod(self.env.action_space.shape[-1:]))
+        first = self.reset(0)
+        self.obs_spec = {k: (v.shape, v.dtype) for k, v in first.items()}
+
+    @staticmethod
+    def _numpy(obs) -> dict[str, np.ndarray]:
+        return {k: v[0].cpu().numpy() for k, v in _as_obs_dict(obs).items()}
+
+    def reset(self, seed: int | None) -> dict[str, np.ndarray]:
+        obs, _ = self.env.reset(seed=seed)
+        return self._numpy(obs)
+
+    def step(self, action: np.ndarray):
+        obs, reward, terminated, truncated, info = self.env.step(torch.from_numpy(action[None]))
+        success = bool(info["success"][0]) if "success" in info else False
+        return self._numpy(obs), float(reward[0]), bool(terminated[0]), bool(truncated[0]), success
+
+    def render(self) -> np.ndarray:
+        return self.env.render()[0].cpu().numpy()
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _make_cpu_env(spec: ManiSkillSpec, env_index: int) -> ManiSkillCPUEnv:
+    return ManiSkillCPUEnv(spec)
+
+
+class ManiSkillGPUVecEnv:
+    """``num_envs`` ManiSkill envs simulated together with ``physx_cuda``."""
+
+    def __init__(self, spec: ManiSkillSpec, num_envs: int):
+        from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
+
+        self.spec = spec
+        self.num_envs = num_envs
+        self.max_episode_steps = spec.max_episode_steps
+        base = _gym_make(spec, num_envs=num_envs, sim_backend="physx_cuda")
+        self.env = ManiSkillVectorEnv(base, num_envs, auto_reset=True)
+        self.device = torch.device("cuda")
+        self.action_dim = int(self.env.single_action_space.shape[-1])
+        obs, _ = self.env.reset(seed=0)
+        self.obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in _as_obs_dict(obs).items()}
+        self.tracker = EpisodeTracker(num_envs)
+
+    def reset(self, seed: int | list[int] | None = None) -> tuple[Obs, dict]:
+        obs, info = self.env.reset(seed=seed)
+        self.tracker.reset()
+        return _as_obs_dict(obs), {}
+
+    def step(self, actions: torch.Tensor) -> StepResult:
+        obs, reward, terminated, truncated, info = self.env.step(actions.to(self.device))
+        done = terminated | truncated
+        success = info.get("success", torch.zeros_like(done))
+        final_obs = _as_obs_dict(obs)
+        if "final_observation" in info:
+            final_obs = _as_obs_dict(info["final_observation"])
+            success = torch.where(done, info["final_info"]["success"], success)
+        out_info = {
+            "success": success,
+            "final_obs": final_obs,
+            "episode": self.tracker.update(reward, success, done),
+        }
+        return StepResult(_as_obs_dict(obs), reward.float(), terminated, truncated, out_info)
+
+    def set_ignore_terminations(self, flag: bool) -> None:
+        self.env.ignore_terminations = flag
+
+    def render(self, env_index: int = 0) -> np.ndarray:
+        return self.env.render()[env_index].cpu().numpy()
+
+    def close(self) -> None:
+        self.env.close()
+
+
+@register_env("maniskill")
+def make_maniskill(cfg, num_envs: int, num_procs: int):
+    """Build a ManiSkill VecEnv from an :class:`~embodied.config.EnvConfig`."""
+    if cfg.task not in known_tasks():
+        from embodied.errors import unknown_name_error
+
+        raise unknown_name_error("ManiSkill task (env.task)", cfg.task, known_tasks())
+    cuda = torch.cuda.is_available()
+    sim_backend = cfg.sim_backend if cfg.sim_backend != "auto" else ("physx_cuda" if cuda else "physx_cpu")
+    spec = ManiSkillSpec(
+        task=cfg.task,
+        obs_mode=cfg.obs_mode,
+        control_mode=cfg.control_mode,
+        reward_mode=cfg.reward_mode,
+        max_episode_steps=cfg.max_episode_steps or default_max_episode_steps(cfg.task),
+        image_size=cfg.image_size,
+        render_size=cfg.render_size,
+        render_backend="gpu" if cuda else "cpu",
+    )
+    if sim_backend == "physx_cuda":
+        return ManiSkillGPUVecEnv(spec, num_envs)
+    return SubprocVecEnv(
+        functools.partial(_make_cpu_env, spec), num_envs, num_procs, timeout_s=cfg.timeout_s
+    )

@@ -1,0 +1,42 @@
+"""Env backends registered by name: ``@register_env("maniskill")``.
+
+A backend is a function ``make(env_cfg, num_envs, num_procs)``
+returning a :class:`~envs.base.VecEnv`. Backends register when their module is
+imported; :func:`make_vec_env` imports them lazily so that, say, LIBERO's heavy
+imports are paid only by runs that use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+ENV_BACKENDS: dict[str, Callable] = {}
+
+# backend name -> module that registers it
+_BACKEND_MODULES = {"maniskill": "envs.maniskill"}
+
+
+def register_env(name: str) -> Callable:
+    def decorator(fn: Callable) -> Callable:
+        ENV_BACKENDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def make_vec_env(env_cfg, num_envs: int | None = None, num_procs: int | None = None):
+    """Build the VecEnv that ``env_cfg`` describes.
+
+    ``num_envs`` / ``num_procs`` default to ``env_cfg.num_envs`` / ``env_cfg.num_procs``.
+    """
+    if env_cfg.backend not in _BACKEND_MODULES:
+        from embodied.errors import unknown_name_error
+
+        raise unknown_name_error("env backend (env.backend)", env_cfg.backend, list(_BACKEND_MODULES))
+    importlib.import_module(_BACKEND_MODULES[env_cfg.backend])
+    return ENV_BACKENDS[env_cfg.backend](
+        env_cfg,
+        num_envs=env_cfg.num_envs if num_envs is None else num_envs,
+        num_procs=env_cfg.num_procs if num_procs is None else num_procs,
+    )

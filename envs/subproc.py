@@ -1,0 +1,330 @@
+"""Process-parallel vectorization of single (CPU) simulator envs.
+
+Each worker process owns a contiguous slice of the batch and steps its envs one
+after the other; observations, rewards and flags travel through shared memory,
+and only a one-word command crosses the pipe per step. Batching several envs per
+process is what makes this fast: per-step IPC is paid once per process, not once
+per env (gymnasium's AsyncVectorEnv pays it per env).
+
+``num_procs=0`` steps the whole batch in the calling process (useful inside a Ray
+worker that is already its own process).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from collections.abc import Callable
+from multiprocessing import shared_memory
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from envs.base import EpisodeTracker, Obs, StepResult
+
+
+class SingleEnv(Protocol):
+    """One simulator instance with numpy I/O (what a backend adapts to)."""
+
+    obs_spec: dict[str, tuple[tuple[int, ...], np.dtype]]
+    action_dim: int
+    max_episode_steps: int
+
+    def reset(self, seed: int | None) -> dict[str, np.ndarray]: ...
+
+    def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, bool]:
+        """-> (obs, reward, terminated, truncated, success)"""
+        ...
+
+    def render(self) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+class EnvCrashedError(RuntimeError):
+    """An env worker process died, raised, or stopped answering."""
+
+
+def _buffer_specs(obs_spec: dict, num_envs: int, action_dim: int) -> dict:
+    """Name -> (shape, dtype) of every array exchanged with the workers."""
+    specs = {}
+    for key, (shape, dtype) in obs_spec.items():
+        specs[f"obs/{key}"] = ((num_envs, *shape), np.dtype(dtype))
+        specs[f"final_obs/{key}"] = ((num_envs, *shape), np.dtype(dtype))
+    specs["action"] = ((num_envs, action_dim), np.dtype(np.float32))
+    specs["reward"] = ((num_envs,), np.dtype(np.float32))
+    for flag in ("terminated", "truncated", "success"):
+        specs[flag] = ((num_envs,), np.dtype(np.bool_))
+    return specs
+
+
+class EnvBatch:
+    """Steps a list of :class:`SingleEnv` with auto-reset, writing into numpy buffers."""
+
+    def __init__(self, envs: list[SingleEnv], buffers: dict[str, np.ndarray]):
+        self.envs = envs
+        self.buf = buffers
+        # evaluation runs fixed-length episodes: success does not end them
+        self.ignore_terminations = False
+
+    def _write_obs(self, prefix: str, i: int, obs: dict[str, np.ndarray]) -> None:
+        for key, value in obs.items():
+            self.buf[f"{prefix}/{key}"][i] = value
+
+    def reset(self, seeds: list[int | None]) -> None:
+        for i, (env, seed) in enumerate(zip(self.envs, seeds, strict=True)):
+            self._write_obs("obs", i, env.reset(seed))
+
+    def step(self) -> None:
+        actions = self.buf["action"]
+        for i, env in enumerate(self.envs):
+            obs, reward, terminated, truncated, success = env.step(actions[i])
+            terminated = terminated and not self.ignore_terminations
+            self.buf["reward"][i] = reward
+            self.buf["terminated"][i] = terminated
+            self.buf["truncated"][i] = truncated
+            self.buf["success"][i] = success
+            if terminated or truncated:
+                self._write_obs("final_obs", i, obs)
+                obs = env.reset(None)
+            self._write_obs("obs", i, obs)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def _worker_main(pipe, make_env, env_ids, shm_names, specs, start, stop):
+    """Worker process: attach to shared memory, then serve commands until 'close'."""
+    blocks = {name: shared_memory.SharedMemory(name=shm) for name, shm in shm_names.items()}
+    try:
+        buffers = {
+            name: np.ndarray(specs[name][0], specs[name][1], buffer=blocks[name].buf)[start:stop]
+            for name in specs
+        }
+        batch = EnvBatch([make_env(i) for i in env_ids], buffers)
+        pipe.send(("ok", None))
+        while True:
+            cmd, arg = pipe.recv()
+            if cmd == "step":
+                batch.step()
+                pipe.send(("ok", None))
+            elif cmd == "reset":
+                batch.reset(arg)
+                pipe.send(("ok", None))
+            elif cmd == "ignore_terminations":
+                batch.ignore_terminations = arg
+                pipe.send(("ok", None))
+            elif cmd == "render":
+                pipe.send(("ok", batch.envs[arg].render()))
+            elif cmd == "close":
+                batch.close()
+                pipe.send(("ok", None))
+                return
+    except (KeyboardInterrupt, EOFError):
+        return
+    except Exception:  # report, then die: the parent raises EnvCrashedError with this text
+        pipe.send(("error", traceback.format_exc()))
+    finally:
+        for block in blocks.values():
+            block.close()
+
+
+class SubprocVecEnv:
+    """A :class:`~envs.base.VecEnv` over ``num_envs`` single envs in ``num_procs`` processes.
+
+    Args:
+        make_env: picklable ``make_env(env_index) -> SingleEnv``.
+        num_envs: batch size ``B``.
+        num_procs: worker processes (0 = step in this process).
+        timeout_s: how long a worker may take to answer one command.
+    """
+
+    def __init__(
+        self,
+        make_env: Callable[[int], SingleEnv],
+        num_envs: int,
+        num_procs: int,
+        timeout_s: float = 120.0,
+    ):
+        if num_procs > num_envs:
+            num_procs = num_envs
+        self.num_envs = num_envs
+        self.timeout_s = timeout_s
+        self.device = torch.device("cpu")
+        # one env built here tells the shapes the shared buffers need
+        first = make_env(0)
+        self.obs_spec_np = dict(first.obs_spec)
+        self.action_dim = first.action_dim
+        self.max_episode_steps = first.max_episode_steps
+        self.obs_spec = {k: (s, _torch_dtype(d)) for k, (s, d) in self.obs_spec_np.items()}
+        if num_procs > 0:
+            first.close()
+        self._specs = _buffer_specs(self.obs_spec_np, num_envs, self.action_dim)
+        self._procs: list = []
+        self._pipes: list = []
+        self._blocks: dict = {}
+        if num_procs == 0:
+            self.buf = {name: np.zeros(shape, dtype) for name, (shape, dtype) in self._specs.items()}
+            self._local = EnvBatch([first] + [make_env(i) for i in range(1, num_envs)], self.buf)
+        else:
+            self._local = None
+            self._start_workers(make_env, num_procs)
+        self.tracker = EpisodeTracker(num_envs)
+
+    # -- process management -------------------------------------------------------
+    def _start_workers(self, make_env, num_procs: int) -> None:
+        self.buf = {}
+        for name, (shape, dtype) in self._specs.items():
+            nbytes = max(int(np.prod(shape)) * dtype.itemsize, 1)
+            block = shared_memory.SharedMemory(create=True, size=nbytes)
+            self._blocks[name] = block
+            self.buf[name] = np.ndarray(shape, dtype, buffer=block.buf)
+        shm_names = {name: block.name for name, block in self._blocks.items()}
+        # fork deadlocks inside lavapipe once the parent has built an env (FACTS.md)
+        ctx = mp.get_context("forkserver")
+        bounds = np.linspace(0, self.num_envs, num_procs + 1).astype(int)
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(child, make_env, list(range(start, stop)), shm_names, self._specs, start, stop),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._pipes.append(parent)
+        self._gather()
+
+    def _gather(self, timeout_s: float | None = None) -> list:
+        """Wait for every worker's answer; raise EnvCrashedError on death, error or timeout."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        answers = []
+        for rank, pipe in enumerate(self._pipes):
+            if not pipe.poll(timeout_s):
+                alive = self._procs[rank].is_alive()
+                self.close(force=True)
+                raise EnvCrashedError(
+                    f"Env worker process {rank} did not answer within {timeout_s:.0f} s "
+                    f"({'still running: the simulator hangs' if alive else 'it died'}). "
+                    "Check the simulator on its own with `embodied check-render`, lower "
+                    "env.num_envs, or raise env.timeout_s if steps are legitimately slow."
+                )
+            try:
+                status, payload = pipe.recv()
+            except EOFError:
+                code = self._procs[rank].exitcode
+                self.close(force=True)
+                raise EnvCrashedError(
+                    f"Env worker process {rank} died (exit code {code}). A negative code is the "
+                    "signal that killed it (-9: out of memory or killed, -11: crash in the "
+                    "simulator). Lower env.num_envs or check the simulator with "
+                    "`embodied check-render`."
+                ) from None
+            if status == "error":
+                self.close(force=True)
+                raise EnvCrashedError(f"Env worker process {rank} raised:\n{payload}")
+            answers.append(payload)
+        return answers
+
+    def _broadcast(self, cmd: str, per_rank_args: list | None = None) -> list:
+        for rank, pipe in enumerate(self._pipes):
+            pipe.send((cmd, None if per_rank_args is None else per_rank_args[rank]))
+        return self._gather()
+
+    def _slices(self) -> list[tuple[int, int]]:
+        bounds = np.linspace(0, self.num_envs, len(self._pipes) + 1).astype(int)
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    # -- VecEnv API ------------------------------------------------------------
+    def reset(self, seed: int | list[int] | None = None) -> tuple[Obs, dict]:
+        """Reset every env. ``seed``: int (env ``i`` gets ``seed + i``), a list, or None."""
+        if isinstance(seed, int):
+            seeds = [seed + i for i in range(self.num_envs)]
+        elif seed is None:
+            seeds = [None] * self.num_envs
+        else:
+            seeds = list(seed)
+            if len(seeds) != self.num_envs:
+                raise ValueError(f"reset got {len(seeds)} seeds for {self.num_envs} envs")
+        if self._local is not None:
+            self._local.reset(seeds)
+        else:
+            self._broadcast("reset", [seeds[a:b] for a, b in self._slices()])
+        self.tracker.reset()
+        return self._obs("obs"), {}
+
+    def step(self, actions: torch.Tensor) -> StepResult:
+        """Step all envs with ``actions`` float ``[B, A]``."""
+        self.buf["action"][:] = actions.detach().cpu().numpy()
+        if self._local is not None:
+            self._local.step()
+        else:
+            self._broadcast("step")
+        reward = torch.from_numpy(self.buf["reward"].copy())
+        terminated = torch.from_numpy(self.buf["terminated"].copy())
+        truncated = torch.from_numpy(self.buf["truncated"].copy())
+        success = torch.from_numpy(self.buf["success"].copy())
+        done = terminated | truncated
+        info = {
+            "success": success,
+            "final_obs": self._obs("final_obs"),
+            "episode": self.tracker.update(reward, success, done),
+        }
+        return StepResult(self._obs("obs"), reward, terminated, truncated, info)
+
+    def set_ignore_terminations(self, flag: bool) -> None:
+        """With True, episodes end only at the time limit (evaluation protocol)."""
+        if self._local is not None:
+            self._local.ignore_terminations = flag
+        else:
+            self._broadcast("ignore_terminations", [flag] * len(self._pipes))
+
+    def render(self, env_index: int = 0) -> np.ndarray:
+        """RGB frame ``[H, W, 3]`` uint8 of one env (needs render support in the backend)."""
+        if self._local is not None:
+            return self._local.envs[env_index].render()
+        for rank, (a, b) in enumerate(self._slices()):
+            if a <= env_index < b:
+                self._pipes[rank].send(("render", env_index - a))
+                status, payload = self._pipes[rank].recv()
+                if status == "error":
+                    raise EnvCrashedError(f"Env worker process {rank} raised:\n{payload}")
+                return payload
+        raise IndexError(env_index)
+
+    def _obs(self, prefix: str) -> Obs:
+        return {k: torch.from_numpy(self.buf[f"{prefix}/{k}"].copy()) for k in self.obs_spec}
+
+    def close(self, force: bool = False) -> None:
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        for pipe, proc in zip(self._pipes, self._procs, strict=True):
+            try:
+                if not force and proc.is_alive():
+                    pipe.send(("close", None))
+                    pipe.poll(10)
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(timeout=5 if not force else 0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._pipes, self._procs = [], []
+        for block in self._blocks.values():
+            block.close()
+            block.unlink()
+        self._blocks = {}
+
+    def __del__(self):
+        try:
+            self.close(force=True)
+        except Exception:
+            pass
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.zeros(1, dtype=dtype)).dtype

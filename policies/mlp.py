@@ -1,0 +1,26 @@
+"""MLP actor-critic for flat state observations ``obs["state"]: float32[B, D]``."""
+
+from __future__ import annotations
+
+import torch
+
+from policies.base import GaussianActorCritic, mlp
+from policies.registry import register_policy
+
+
+@register_policy("mlp")
+class MLPActorCritic(GaussianActorCritic):
+    """Separate actor and critic MLPs (sharing features hurts PPO on state tasks)."""
+
+    def __init__(self, cfg, obs_spec: dict, action_dim: int):
+        super().__init__(action_dim, cfg.log_std_init)
+        (state_dim,) = obs_spec["state"][0]
+        hidden = list(cfg.hidden_sizes)
+        self.actor = mlp([state_dim, *hidden, action_dim], cfg.activation, out_gain=0.01 * 2**0.5)
+        self.critic = mlp([state_dim, *hidden, 1], cfg.activation, out_gain=1.0)
+
+    def actor_mean(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.actor(obs["state"])
+
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.critic(obs["state"]).squeeze(-1)

@@ -1,0 +1,43 @@
+"""Start a local Ray cluster, or join an existing one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Ray 2.60 turns token auth on by default and writes ~/.ray/auth_token; a local
+# research cluster does not need it, and tests must not write to the home dir.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def start_cluster(address: str | None = None, num_cpus: int | None = None,
+                  num_gpus: int | None = None) -> dict:
+    """Connect to Ray (no-op if connected); returns the cluster's resources.
+
+    ``address=None`` starts a local cluster with ``num_cpus`` CPU slots (default: all
+    cores) and ``num_gpus`` GPUs (default: what CUDA sees).
+    """
+    import ray
+
+    from envs.rendering import ensure_vulkan_icd
+
+    # workers inherit the driver's environment: pick the Vulkan driver here, once
+    ensure_vulkan_icd()
+    if not ray.is_initialized():
+        kwargs: dict = dict(include_dashboard=False, log_to_driver=True, logging_level="ERROR")
+        if address is None:
+            kwargs.update(num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
+                          _temp_dir=os.environ.get("EMBODIED_RAY_TMP", os.path.join(tempfile.gettempdir(), "ray")))
+        else:
+            kwargs["address"] = address
+        ray.init(**kwargs)
+    return dict(ray.cluster_resources())
+
+
+def stop_cluster() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

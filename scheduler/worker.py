@@ -1,0 +1,80 @@
+"""Worker and WorkerGroup: N Ray actors of one class; a call on the group fans out to every rank.
+
+    group = WorkerGroup(EnvWorker, placement, plan, env_cfg=...)
+    group.call("reset", seed=1)          # -> [result of rank 0, result of rank 1, ...]
+    refs = group.call_async("interact", ...)   # -> list of ObjectRefs
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scheduler.placement import GroupPlacement, Plan
+
+
+class Worker:
+    """Base class of every worker: knows its rank, group size and device."""
+
+    def __init__(self, rank: int, world_size: int, device_kind: str = "cpu", torch_threads: int = 1):
+        self.rank = rank
+        self.world_size = world_size
+        torch.set_num_threads(torch_threads)
+        use_cuda = device_kind == "gpu" and torch.cuda.is_available()
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+
+    def ping(self) -> int:
+        return self.rank
+
+
+class WorkerGroup:
+    """``placement.num_workers`` Ray actors of ``cls``, placed as the plan says."""
+
+    def __init__(self, cls: type, placement: GroupPlacement, plan: Plan, torch_threads: int = 1,
+                 per_rank_kwargs: list[dict] | None = None, **kwargs: Any):
+        import ray
+
+        self.name = placement.name
+        share = placement.share(plan)
+        resources = {"num_gpus": share} if plan.device_kind == "gpu" else {"num_cpus": share}
+        remote_cls = ray.remote(cls)
+        n = placement.num_workers
+        self.workers = []
+        for rank in range(n):
+            extra = per_rank_kwargs[rank] if per_rank_kwargs else {}
+            actor = remote_cls.options(**resources, max_concurrency=4).remote(
+                rank=rank, world_size=n, device_kind=plan.device_kind,
+                torch_threads=torch_threads, **kwargs, **extra,
+            )
+            self.workers.append(actor)
+        # fail here, with the worker's own error, if a constructor raised
+        ray.get([w.ping.remote() for w in self.workers])
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def call_async(self, method: str, *args: Any, per_rank_args: list[tuple] | None = None,
+                   **kwargs: Any) -> list:
+        """Start ``method`` on every rank; returns their ObjectRefs.
+
+        ``per_rank_args[i]`` (if given) is appended to ``args`` for rank ``i``.
+        """
+        refs = []
+        for rank, worker in enumerate(self.workers):
+            extra = per_rank_args[rank] if per_rank_args else ()
+            refs.append(getattr(worker, method).remote(*args, *extra, **kwargs))
+        return refs
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Run ``method`` on every rank and wait; returns the results in rank order."""
+        import ray
+
+        return ray.get(self.call_async(method, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []
