@@ -190,10 +190,13 @@ def cmd_check_render() -> int:
 
 
 def cmd_setup_render() -> int:
+    """Make SAPIEN rendering work: nothing to do where a Vulkan driver works already."""
     from envs.rendering import check_render, install_lavapipe
 
-    print(f"lavapipe Vulkan ICD: {install_lavapipe(verbose=False)}")
     works, message = check_render()
+    if not works:
+        print(f"No working Vulkan driver; installing lavapipe: {install_lavapipe(verbose=False)}")
+        works, message = check_render()
     print(message)
     return 0 if works else 1
 

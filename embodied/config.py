@@ -65,7 +65,10 @@ class AlgorithmConfig:
     max_grad_norm: float = 0.5
     target_kl: float | None = 0.1  # stop an update's epochs early past this KL
     normalize_advantages: bool = True
-    bootstrap_truncated: bool = True  # add gamma * V(final obs) to the reward at time limits
+    # where an episode ends, add gamma * V(final obs) to the reward at: "all_ends" (ManiSkill's
+    # convention: success ends an episode only to reset the env, its value carries on),
+    # "time_limit" (truncations only: terminations are true terminal states) or "none"
+    bootstrap: str = "all_ends"
 
 
 @dataclass
@@ -79,6 +82,7 @@ class PlacementConfig:
     actor: str = "0"
     pipeline_stages: int = 1
     torch_threads: int = 1  # intra-op threads per worker (2 cores: keep 1)
+    actor_threads: int = 2  # intra-op threads of the actor while it updates (the sims are idle then)
 
 
 @dataclass
@@ -129,11 +133,23 @@ def config_groups() -> dict[str, list[str]]:
     }
 
 
-def _field_names(schema, dotted: str) -> list[str]:
-    node = OmegaConf.structured(schema)
-    for part in dotted.split(".")[:-1]:
+def unknown_key_error(dotted: str) -> UserError:
+    """'algorithm.lrr' -> "Unknown config key 'algorithm.lrr'. Did you mean 'algorithm.lr'? ..."."""
+    node = OmegaConf.structured(TrainConfig)
+    known_path: list[str] = []
+    for part in dotted.split("."):
+        valid = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+        if part not in valid:
+            close = difflib.get_close_matches(part, valid, n=1)
+            where = ".".join(known_path) or "the top level"
+            hint = f" Did you mean '{'.'.join(known_path + close)}'?" if close else ""
+            return UserError(
+                f"Unknown config key '{dotted}'.{hint} Keys at {where}: {', '.join(valid)}. "
+                "Fix the override or the yaml file that sets it (`embodied train --cfg job` prints every key)."
+            )
+        known_path.append(part)
         node = node[part]
-    return [str(k) for k in node.keys()]
+    return UserError(f"Config key '{dotted}' cannot be set this way; see `embodied train --cfg job`.")
 
 
 def _override_error(err: Exception, overrides: list[str]) -> UserError:
@@ -149,12 +165,9 @@ def _override_error(err: Exception, overrides: list[str]) -> UserError:
 
         err = unknown_name_error(f"{group} config ({group}=...)", option, options)
         return UserError(f"{err} Each option is a file configs/{group}/<name>.yaml.")
-    key = re.search(r"Key '(\w+)' is not in struct", text) or re.search(
-        r"Could not override '([\w.]+)'", text
-    )
+    key = re.search(r"Could not override '([\w.]+)'", text)
     if key:
-        return UserError(f"Bad override: {text.splitlines()[0]} Check the key's spelling with "
-                         "`embodied train --cfg job` (prints every key).")
+        return unknown_key_error(key.group(1))
     return UserError(f"Could not compose the config from {overrides}: {text.splitlines()[0]}")
 
 
@@ -182,12 +195,7 @@ def validate(raw: DictConfig | dict) -> TrainConfig:
     except (ConfigKeyError, ValidationError, OmegaConfBaseException) as err:
         key = getattr(err, "full_key", None) or ""
         if isinstance(err, ConfigKeyError) and key:
-            valid = _field_names(TrainConfig, key)
-            close = difflib.get_close_matches(key.split(".")[-1], valid, n=1)
-            hint = f" Did you mean '{'.'.join(key.split('.')[:-1] + close)}'?" if close else ""
-            return_msg = (f"Unknown config key '{key}'.{hint} Valid keys here: {', '.join(valid)}. "
-                          "Fix the override or the yaml file that sets it.")
-            raise UserError(return_msg) from None
+            raise unknown_key_error(key) from None
         raise UserError(f"Invalid config value for '{key}': {str(err).splitlines()[0]}. "
                         "Fix the override or the yaml file that sets it.") from None
     return OmegaConf.to_object(merged)

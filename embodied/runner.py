@@ -17,7 +17,9 @@ from embodied.evaluate import summarize
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
 from embodied.workers.rollout_worker import RolloutWorker
+from envs.registry import check_env_config
 from envs.subproc import EnvCrashedError
+from policies.registry import check_policy_name
 from scheduler.channel import Channel
 from scheduler.cluster import start_cluster
 from scheduler.placement import make_plan
@@ -30,7 +32,7 @@ class Progress:
 
     iteration: int = 0
     env_steps: int = 0
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # wall-clock of the training loop (evals and checkpoints included)
     solved_at_seconds: float | None = None  # first periodic eval with success_once >= 0.9
 
 
@@ -39,6 +41,9 @@ class Workers:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        # bad names fail here, in seconds, before any worker starts
+        check_env_config(cfg.env)
+        check_policy_name(cfg.policy.name)
         resources = start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         plan = make_plan(cfg.placement, num_gpus=int(resources.get("GPU", 0)),
                          num_cpus=int(resources.get("CPU", 1)), num_envs=cfg.env.num_envs)
@@ -53,8 +58,8 @@ class Workers:
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
         self.rollout = WorkerGroup(RolloutWorker, plan.groups["rollout"], plan, threads,
                                    num_env_workers=len(self.env), **common)
-        self.actor = WorkerGroup(ActorWorker, plan.groups["actor"], plan, threads,
-                                 seed=cfg.runner.seed, **common)
+        self.actor = WorkerGroup(ActorWorker, plan.groups["actor"], plan, threads, seed=cfg.runner.seed,
+                                 update_threads=cfg.placement.actor_threads, **common)
         self.channel = Channel("env<->rollout")
 
     def sync_weights(self) -> None:
@@ -63,16 +68,28 @@ class Workers:
         weights = ray.put(self.actor.call("get_weights")[0])
         self.rollout.call("set_weights", weights)
 
-    def rollout_and_update(self, num_steps: int) -> tuple[list[dict], dict]:
-        """Collect ``num_steps`` per env, then one PPO update; returns (episodes, train stats)."""
+    def rollout_and_update(self, num_steps: int) -> tuple[list[dict], dict, dict]:
+        """Collect ``num_steps`` per env, then one PPO update.
+
+        Returns (finished episodes, train stats, stage times in seconds).
+        """
         import ray
 
+        t0 = time.perf_counter()
         env_refs = self.env.call_async("interact", num_steps, self.channel)
         trajectory_refs = self.rollout.call_async("collect", num_steps, self.channel)
-        episodes = [row for rows in ray.get(env_refs) for row in rows]
+        env_out = ray.get(env_refs)
+        ray.wait(trajectory_refs, num_returns=len(trajectory_refs))
+        t1 = time.perf_counter()
         # trajectories go rollout -> actor through the object store, never via the driver
         stats = ray.get(self.actor.workers[0].update.remote(*trajectory_refs))
-        return episodes, stats
+        times = {
+            "rollout_s": t1 - t0,
+            "update_s": time.perf_counter() - t1,
+            "env_sim_s": max(out["sim_s"] for out in env_out),
+            "env_wait_s": max(out["wait_s"] for out in env_out),
+        }
+        return [row for out in env_out for row in out["episodes"]], stats, times
 
     def evaluate(self, episodes: int, seed: int, deterministic: bool) -> list[dict]:
         """Run at least ``episodes`` fixed-horizon episodes, seeds ``seed, seed+1, ...``."""
@@ -113,9 +130,9 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = run_dir
         self.progress = Progress(**resume_from["progress"]) if resume_from else Progress()
+        self.workers = Workers(cfg)  # validates names and placement before anything is written
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        self.workers = Workers(cfg)
         if resume_from:
             self.workers.actor.call("load_state", resume_from["actor"])
         elif warm_start:
@@ -154,11 +171,13 @@ class Trainer:
         self.workers.env.call("reset", seed=cfg.runner.seed + 1_000 * p.iteration)
         try:
             while p.iteration < self.total_iterations and not self._time_is_up():
+                start = time.perf_counter()
                 self._iterate()
-                if cfg.runner.checkpoint_every and p.iteration % cfg.runner.checkpoint_every == 0:
-                    self.save()
                 if cfg.runner.eval_every and p.iteration % cfg.runner.eval_every == 0:
                     self._periodic_eval()
+                if cfg.runner.checkpoint_every and p.iteration % cfg.runner.checkpoint_every == 0:
+                    self.save()
+                p.train_seconds += time.perf_counter() - start
         except EnvCrashedError:
             self.save()  # the actor's state is intact: keep the progress made so far
             raise
@@ -172,17 +191,17 @@ class Trainer:
         t0 = time.perf_counter()
         self.workers.sync_weights()
         t1 = time.perf_counter()
-        episodes, stats = self.workers.rollout_and_update(self.cfg.algorithm.rollout_steps)
+        episodes, stats, times = self.workers.rollout_and_update(self.cfg.algorithm.rollout_steps)
         t2 = time.perf_counter()
         p.iteration += 1
         p.env_steps += self.steps_per_iteration
-        p.train_seconds += t2 - t0
         scalars = {f"train/{k}": v for k, v in stats.items()}
+        scalars.update({f"time/{k}": v for k, v in times.items()})
         scalars.update({
             "time/weight_sync_s": t1 - t0,
             "time/iteration_s": t2 - t0,
             "time/env_steps_per_s": self.steps_per_iteration / (t2 - t0),
-            "time/total_minutes": p.train_seconds / 60,
+            "time/total_minutes": (p.train_seconds + t2 - t0) / 60,
         })
         if episodes:
             scalars.update({

@@ -159,13 +159,23 @@ class ManiSkillGPUVecEnv:
         self.env.close()
 
 
-@register_env("maniskill")
+def validate_maniskill(cfg) -> None:
+    from embodied.errors import UserError, unknown_name_error
+
+    if cfg.task not in known_tasks():
+        raise unknown_name_error("ManiSkill task (env.task)", cfg.task, known_tasks())
+    if cfg.obs_mode not in ("state", "rgb"):
+        raise UserError(f"env.obs_mode={cfg.obs_mode!r} is not supported: use 'state' or 'rgb'.")
+    if cfg.sim_backend not in ("auto", "physx_cpu", "physx_cuda"):
+        raise UserError(f"env.sim_backend={cfg.sim_backend!r}: use 'auto', 'physx_cpu' or 'physx_cuda'.")
+    if cfg.sim_backend == "physx_cuda" and not torch.cuda.is_available():
+        raise UserError("env.sim_backend=physx_cuda needs a CUDA GPU and none is visible: "
+                        "use env.sim_backend=physx_cpu (or auto).")
+
+
+@register_env("maniskill", validate=validate_maniskill)
 def make_maniskill(cfg, num_envs: int, num_procs: int):
     """Build a ManiSkill VecEnv from an :class:`~embodied.config.EnvConfig`."""
-    if cfg.task not in known_tasks():
-        from embodied.errors import unknown_name_error
-
-        raise unknown_name_error("ManiSkill task (env.task)", cfg.task, known_tasks())
     cuda = torch.cuda.is_available()
     sim_backend = cfg.sim_backend if cfg.sim_backend != "auto" else ("physx_cuda" if cuda else "physx_cpu")
     spec = ManiSkillSpec(

@@ -12,17 +12,37 @@ import importlib
 from collections.abc import Callable
 
 ENV_BACKENDS: dict[str, Callable] = {}
+ENV_VALIDATORS: dict[str, Callable] = {}
 
 # backend name -> module that registers it
 _BACKEND_MODULES = {"maniskill": "envs.maniskill"}
 
 
-def register_env(name: str) -> Callable:
+def register_env(name: str, validate: Callable | None = None) -> Callable:
+    """Register a backend; ``validate(env_cfg)`` raises UserError for bad names before any sim starts."""
+
     def decorator(fn: Callable) -> Callable:
         ENV_BACKENDS[name] = fn
+        if validate is not None:
+            ENV_VALIDATORS[name] = validate
         return fn
 
     return decorator
+
+
+def _load_backend(env_cfg) -> None:
+    if env_cfg.backend not in _BACKEND_MODULES:
+        from embodied.errors import unknown_name_error
+
+        raise unknown_name_error("env backend (env.backend)", env_cfg.backend, list(_BACKEND_MODULES))
+    importlib.import_module(_BACKEND_MODULES[env_cfg.backend])
+
+
+def check_env_config(env_cfg) -> None:
+    """Raise a UserError if ``env_cfg`` names an unknown backend or task."""
+    _load_backend(env_cfg)
+    if env_cfg.backend in ENV_VALIDATORS:
+        ENV_VALIDATORS[env_cfg.backend](env_cfg)
 
 
 def make_vec_env(env_cfg, num_envs: int | None = None, num_procs: int | None = None):
@@ -30,11 +50,7 @@ def make_vec_env(env_cfg, num_envs: int | None = None, num_procs: int | None = N
 
     ``num_envs`` / ``num_procs`` default to ``env_cfg.num_envs`` / ``env_cfg.num_procs``.
     """
-    if env_cfg.backend not in _BACKEND_MODULES:
-        from embodied.errors import unknown_name_error
-
-        raise unknown_name_error("env backend (env.backend)", env_cfg.backend, list(_BACKEND_MODULES))
-    importlib.import_module(_BACKEND_MODULES[env_cfg.backend])
+    check_env_config(env_cfg)
     return ENV_BACKENDS[env_cfg.backend](
         env_cfg,
         num_envs=env_cfg.num_envs if num_envs is None else num_envs,

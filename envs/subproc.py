@@ -214,7 +214,8 @@ class SubprocVecEnv:
                 )
             try:
                 status, payload = pipe.recv()
-            except EOFError:
+            except (EOFError, OSError):
+                self._procs[rank].join(timeout=1)
                 code = self._procs[rank].exitcode
                 self.close(force=True)
                 raise EnvCrashedError(
@@ -231,7 +232,10 @@ class SubprocVecEnv:
 
     def _broadcast(self, cmd: str, per_rank_args: list | None = None) -> list:
         for rank, pipe in enumerate(self._pipes):
-            pipe.send((cmd, None if per_rank_args is None else per_rank_args[rank]))
+            try:
+                pipe.send((cmd, None if per_rank_args is None else per_rank_args[rank]))
+            except OSError:
+                pass  # the worker is gone: _gather reports how it died
         return self._gather()
 
     def _slices(self) -> list[tuple[int, int]]:

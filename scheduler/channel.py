@@ -1,15 +1,24 @@
 """Channel: a FIFO between worker groups, keyed so micro-batches route to the right peer.
 
-Items put under one key come out of ``get(key)`` in the order they were put (Ray
-runs one caller's calls to an actor in submission order). ``put`` does not wait;
-``get`` blocks until an item is there.
+Items one process puts under a key come out of ``get(key)`` in the order it put
+them. ``put`` does not wait; ``get`` blocks until an item is there.
+
+Ray does not promise to run one caller's calls to a concurrent (async) actor in
+submission order, so every put carries its producer's id and a sequence number,
+and the store releases each producer's items in sequence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import defaultdict
 from typing import Any
+
+# every process that puts is one producer; its sequence numbers live here, per channel and key,
+# so copies of a Channel passed to the same process in several calls share one sequence
+_PRODUCER = uuid.uuid4().hex
+_NEXT_SEQ: dict[tuple[str, Any], int] = defaultdict(int)
 
 
 class _ChannelStore:
@@ -17,9 +26,15 @@ class _ChannelStore:
 
     def __init__(self):
         self.queues: dict[Any, asyncio.Queue] = defaultdict(asyncio.Queue)
+        self.next_seq: dict[tuple, int] = defaultdict(int)  # (key, producer) -> next to release
+        self.pending: dict[tuple, dict[int, Any]] = defaultdict(dict)  # items that arrived early
 
-    async def put(self, key: Any, item: Any) -> None:
-        self.queues[key].put_nowait(item)
+    async def put(self, key: Any, item: Any, producer: str, seq: int) -> None:
+        stream = (key, producer)
+        self.pending[stream][seq] = item
+        while self.next_seq[stream] in self.pending[stream]:
+            self.queues[key].put_nowait(self.pending[stream].pop(self.next_seq[stream]))
+            self.next_seq[stream] += 1
 
     async def get(self, key: Any) -> Any:
         return await self.queues[key].get()
@@ -36,10 +51,14 @@ class Channel:
 
         self.name = name
         # zero CPU: it only moves references, and must not block worker placement
+        self.id = uuid.uuid4().hex
         self._store = ray.remote(_ChannelStore).options(num_cpus=0, max_concurrency=1024).remote()
 
     def put(self, item: Any, key: Any = "default") -> None:
-        self._store.put.remote(key, item)
+        stream = (self.id, key)
+        seq = _NEXT_SEQ[stream]
+        _NEXT_SEQ[stream] = seq + 1
+        self._store.put.remote(key, item, _PRODUCER, seq)
 
     def get(self, key: Any = "default", timeout: float | None = None) -> Any:
         import ray

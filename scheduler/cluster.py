@@ -8,8 +8,6 @@ import tempfile
 # Ray 2.60 turns token auth on by default and writes ~/.ray/auth_token; a local
 # research cluster does not need it, and tests must not write to the home dir.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 def start_cluster(address: str | None = None, num_cpus: int | None = None,

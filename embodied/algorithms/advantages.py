@@ -32,7 +32,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_v
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(next_value)
     for t in reversed(range(T)):
-        not_done = 1.0 - dones[t].float()
+        not_done = (~dones[t].bool()).to(rewards.dtype)
         following = next_value if t == T - 1 else values[t + 1]
         delta = rewards[t] + gamma * following * not_done - values[t]
         running = delta + gamma * gae_lambda * not_done * running

@@ -11,8 +11,10 @@ from scheduler.worker import Worker
 
 
 class ActorWorker(Worker):
-    def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int, seed: int, **kwargs):
+    def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int, seed: int,
+                 update_threads: int = 1, **kwargs):
         super().__init__(**kwargs)
+        self.update_threads = update_threads
         torch.manual_seed(seed)
         self.cfg = algorithm_cfg
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
@@ -31,6 +33,7 @@ class ActorWorker(Worker):
         batch = merge_trajectories(list(trajectories))
         batch = _to(batch, self.device)
         self.policy.train()
+        torch.set_num_threads(self.update_threads)
         return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator)
 
     def state(self) -> dict:

@@ -6,6 +6,8 @@ key ``("obs", rank)`` and waits for actions under ``("act", rank)``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from envs.base import episode_rows
@@ -30,13 +32,22 @@ class EnvWorker(Worker):
         self.env.set_ignore_terminations(False)
         self.obs, _ = self.env.reset(seed=seed + self.rank * self.num_envs)
 
-    def interact(self, num_steps: int, channel: Channel) -> list[dict]:
-        """Run ``num_steps`` steps against a RolloutWorker; returns the episodes that finished."""
+    def interact(self, num_steps: int, channel: Channel) -> dict:
+        """Run ``num_steps`` steps against a RolloutWorker.
+
+        Returns ``episodes`` (rows of the episodes that finished) and this rank's time
+        spent stepping the simulator (``sim_s``) and waiting for actions (``wait_s``).
+        """
         channel.put({"obs": self.obs}, key=("obs", self.rank))
         episodes: list[dict] = []
+        sim_s = wait_s = 0.0
         for _ in range(num_steps):
+            t0 = time.perf_counter()
             actions = channel.get(key=("act", self.rank))
+            t1 = time.perf_counter()
             result = self.env.step(actions)
+            sim_s += time.perf_counter() - t1
+            wait_s += t1 - t0
             done = result.done
             episodes += episode_rows(result.info["episode"], done)
             channel.put(
@@ -50,13 +61,13 @@ class EnvWorker(Worker):
                 key=("obs", self.rank),
             )
             self.obs = result.obs
-        return episodes
+        return {"episodes": episodes, "sim_s": sim_s, "wait_s": wait_s}
 
     def evaluate(self, seeds: list[int], channel: Channel) -> list[dict]:
         """One fixed-horizon episode per env, reset with ``seeds``; returns one row per episode."""
         self.env.set_ignore_terminations(True)
         self.obs, _ = self.env.reset(seed=seeds)
-        episodes = self.interact(self.env.max_episode_steps, channel)
+        episodes = self.interact(self.env.max_episode_steps, channel)["episodes"]
         for row in episodes:
             row["seed"] = seeds[row["env"]]
         return episodes

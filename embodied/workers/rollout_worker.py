@@ -13,6 +13,13 @@ from policies.registry import make_policy
 from scheduler.channel import Channel
 from scheduler.worker import Worker
 
+# which finished episodes get their final observation's value added to the last reward
+BOOTSTRAP_MASKS = {
+    "all_ends": lambda terminated, truncated: terminated | truncated,
+    "time_limit": lambda terminated, truncated: truncated & ~terminated,
+    "none": lambda terminated, truncated: torch.zeros_like(terminated),
+}
+
 
 class RolloutWorker(Worker):
     def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int,
@@ -57,11 +64,12 @@ class RolloutWorker(Worker):
         return merge_trajectories([_stack(buf) for buf in per_rank])
 
     def _bootstrapped_reward(self, msg: dict) -> torch.Tensor:
-        """At a time limit (truncated, not terminated) the episode did not really end:
-        add ``gamma * V(final_obs)`` so the cut does not read as a zero-value state."""
+        """Where an episode ended only because the env was reset (a time limit, or with
+        ``bootstrap=all_ends`` also a success), add ``gamma * V(final_obs)`` so the cut
+        does not read as a zero-value terminal state."""
         reward = msg["reward"].clone()
-        cut = msg["truncated"] & ~msg["terminated"]
-        if self.cfg.bootstrap_truncated and bool(cut.any()):
+        cut = BOOTSTRAP_MASKS[self.cfg.bootstrap](msg["terminated"], msg["truncated"])
+        if bool(cut.any()):
             final_value = self.policy.value(self._obs(msg["final_obs"])).cpu()
             reward[cut] += self.cfg.gamma * final_value[cut]
         return reward

@@ -1,0 +1,31 @@
+"""Bad input: one paragraph naming the fix, exit code 2, no traceback."""
+
+import pytest
+
+from tests.conftest import run_cli
+
+CASES = {
+    "unknown env group": (["train", "env=maniskill_pushcub"], ["maniskill_pushcube", "configs/env"]),
+    "unknown task": (["train", "env.task=PushCub-v1"], ["PushCube-v1"]),
+    "unknown policy group": (["train", "policy=mlpp"], ["mlp"]),
+    "unknown policy name": (["train", "policy.name=transformer"], ["policy", "mlp"]),
+    "misspelled key": (["train", "algorithm.lrr=3e-4"], ["Did you mean 'algorithm.lr'"]),
+    "misspelled section": (["train", "algorithmm.lr=3e-4"], ["algorithm"]),
+    "wrong type": (["train", "algorithm.lr=fast"], ["algorithm.lr"]),
+    "missing checkpoint": (["eval", "checkpoint=/nonexistent/run"], ["/nonexistent/run", "checkpoint="]),
+    "eval without checkpoint": (["eval"], ["checkpoint="]),
+    "bad resume dir": (["train", "resume=/nonexistent/run"], ["resume", "config.yaml"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_gives_one_paragraph_and_exit_2(name):
+    args, must_mention = CASES[name]
+    proc = run_cli(*args, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    message = proc.stderr.strip().splitlines()
+    assert message and message[0].startswith("error: ")
+    assert len(message) <= 3, proc.stderr
+    for word in must_mention:
+        assert word in proc.stderr, (word, proc.stderr)

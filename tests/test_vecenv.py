@@ -1,0 +1,132 @@
+"""The VecEnv protocol against real ManiSkill3 PushCube-v1 (physx_cpu, lavapipe)."""
+
+import numpy as np
+import pytest
+import torch
+
+from envs.base import EpisodeTracker, VecEnv
+from envs.registry import make_vec_env
+from tests.conftest import small_config
+
+
+@pytest.fixture(scope="module")
+def env_cfg():
+    return small_config().env
+
+
+@pytest.fixture(scope="module")
+def procs_env(env_cfg):
+    env = make_vec_env(env_cfg, num_envs=4, num_procs=2)
+    yield env
+    env.close()
+
+
+def test_shapes_and_dtypes(procs_env):
+    env = procs_env
+    assert isinstance(env, VecEnv)
+    obs, _ = env.reset(seed=0)
+    (dim,) = env.obs_spec["state"][0]
+    assert obs["state"].shape == (4, dim) and obs["state"].dtype == torch.float32
+    result = env.step(torch.zeros(4, env.action_dim))
+    assert result.reward.shape == (4,) and result.reward.dtype == torch.float32
+    for flag in (result.terminated, result.truncated, result.info["success"]):
+        assert flag.shape == (4,) and flag.dtype == torch.bool
+    assert result.info["final_obs"]["state"].shape == (4, dim)
+    assert env.max_episode_steps == 50
+
+
+def test_auto_reset_hands_back_final_observation(procs_env):
+    env = procs_env
+    env.set_ignore_terminations(True)  # every episode runs to the time limit
+    obs, _ = env.reset(seed=3)
+    first_obs = obs["state"].clone()
+    for step in range(1, env.max_episode_steps + 1):
+        previous = obs["state"].clone()
+        result = env.step(torch.zeros(4, env.action_dim))
+        obs = result.obs
+        if step < env.max_episode_steps:
+            assert not result.done.any()
+    assert result.truncated.all() and not result.terminated.any()
+    episode = result.info["episode"]
+    assert episode["length"].tolist() == [env.max_episode_steps] * 4
+    # the final observation continues the episode; the returned obs starts a new one
+    final = result.info["final_obs"]["state"]
+    assert (final - previous).abs().max() < (obs["state"] - previous).abs().max()
+    assert not torch.equal(obs["state"], first_obs)  # a new episode, not a replay of seed 3
+    env.set_ignore_terminations(False)
+
+
+def test_same_seed_same_trajectory_in_process_and_subprocesses(env_cfg, procs_env):
+    local = make_vec_env(env_cfg, num_envs=4, num_procs=0)
+    try:
+        actions = torch.rand(12, 4, local.action_dim, generator=torch.Generator().manual_seed(0)) * 2 - 1
+        traces = []
+        for env in (local, procs_env):
+            obs, _ = env.reset(seed=11)
+            trace = [obs["state"]]
+            for a in actions:
+                trace.append(env.step(a).obs["state"])
+            traces.append(torch.stack(trace))
+        torch.testing.assert_close(traces[0], traces[1], rtol=0, atol=0)
+        # different envs of the batch got different seeds
+        assert not torch.equal(traces[0][0, 0], traces[0][0, 1])
+    finally:
+        local.close()
+
+
+def test_per_env_seed_list(procs_env):
+    a, _ = procs_env.reset(seed=[5, 6, 7, 8])
+    b, _ = procs_env.reset(seed=5)
+    torch.testing.assert_close(a["state"], b["state"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="seeds"):
+        procs_env.reset(seed=[1, 2])
+
+
+def test_render_gives_an_image(procs_env):
+    procs_env.reset(seed=0)
+    frame = procs_env.render(3)
+    assert frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3
+    assert frame.std() > 5  # not blank: robot, cube and floor are drawn
+
+
+def test_episode_tracker_success_once_and_at_end():
+    tracker = EpisodeTracker(3)
+    done = torch.tensor([False, False, False])
+    tracker.update(torch.ones(3), torch.tensor([True, False, False]), done)
+    out = tracker.update(torch.ones(3), torch.tensor([False, False, True]), torch.tensor([True, True, True]))
+    assert out["success_once"].tolist() == [True, False, True]
+    assert out["success_at_end"].tolist() == [False, False, True]
+    assert out["return"].tolist() == [2.0, 2.0, 2.0]
+    assert out["length"].tolist() == [2, 2, 2]
+    # finished envs start afresh
+    out = tracker.update(torch.zeros(3), torch.zeros(3, dtype=torch.bool), torch.tensor([True, False, False]))
+    assert out["length"][0] == 1 and out["success_once"][0].item() is False
+
+
+def test_env_process_crash_is_reported(env_cfg):
+    from envs.subproc import EnvCrashedError
+
+    env = make_vec_env(env_cfg, num_envs=2, num_procs=1)
+    try:
+        env._procs[0].kill()
+        with pytest.raises(EnvCrashedError, match="died"):
+            env.step(torch.zeros(2, env.action_dim))
+    finally:
+        env.close(force=True)
+
+
+@pytest.mark.gpu
+def test_gpu_backend_matches_protocol(env_cfg):
+    from dataclasses import replace
+
+    env = make_vec_env(replace(env_cfg, sim_backend="physx_cuda"), num_envs=8)
+    try:
+        obs, _ = env.reset(seed=0)
+        assert obs["state"].shape[0] == 8 and obs["state"].is_cuda
+        env.set_ignore_terminations(True)
+        for _ in range(env.max_episode_steps):
+            result = env.step(torch.zeros(8, env.action_dim, device="cuda"))
+        assert result.truncated.all()
+        assert result.info["episode"]["length"].tolist() == [env.max_episode_steps] * 8
+    finally:
+        env.close()
