@@ -159,6 +159,10 @@ class Trainer:
         limit = self.cfg.runner.max_minutes
         return limit is not None and self.progress.train_seconds >= limit * 60
 
+    def _good_enough(self, eval_success: float | None) -> bool:
+        target = self.cfg.runner.stop_at_success
+        return target is not None and eval_success is not None and eval_success >= target
+
     def _set_lr(self) -> None:
         if self.cfg.algorithm.anneal_lr:
             frac = 1.0 - self.progress.iteration / self.total_iterations
@@ -170,11 +174,13 @@ class Trainer:
         # a resumed run gets fresh env seeds, not a replay of its first iterations
         self.workers.env.call("reset", seed=cfg.runner.seed + 1_000 * p.iteration)
         try:
-            while p.iteration < self.total_iterations and not self._time_is_up():
+            eval_success = None
+            while (p.iteration < self.total_iterations and not self._time_is_up()
+                   and not self._good_enough(eval_success)):
                 start = time.perf_counter()
                 self._iterate()
                 if cfg.runner.eval_every and p.iteration % cfg.runner.eval_every == 0:
-                    self._periodic_eval()
+                    eval_success = self._periodic_eval(elapsed=time.perf_counter() - start)
                 if cfg.runner.checkpoint_every and p.iteration % cfg.runner.checkpoint_every == 0:
                     self.save()
                 p.train_seconds += time.perf_counter() - start
@@ -214,16 +220,18 @@ class Trainer:
         self.log.scalars(scalars, p.env_steps)
         self.log.advance(self.steps_per_iteration, success=scalars.get("env/success_once"))
 
-    def _periodic_eval(self) -> None:
+    def _periodic_eval(self, elapsed: float) -> float:
+        """Evaluate on one batch of episodes; returns success_once. ``elapsed``: this iteration's time so far."""
         cfg, p = self.cfg, self.progress
         rows = self.workers.evaluate(cfg.env.num_envs, cfg.eval.seed, cfg.eval.deterministic)
         success = _mean(rows, "success_once")
         self.log.scalars({"eval/success_once": success, "eval/success_at_end": _mean(rows, "success_at_end"),
                           "eval/return": _mean(rows, "return")}, p.env_steps)
         if success >= 0.9 and p.solved_at_seconds is None:
-            p.solved_at_seconds = p.train_seconds
-            self.log.scalars({"time/solved_minutes": p.train_seconds / 60}, p.env_steps)
+            p.solved_at_seconds = p.train_seconds + elapsed
+            self.log.scalars({"time/solved_minutes": p.solved_at_seconds / 60}, p.env_steps)
         self.workers.env.call("reset", seed=cfg.runner.seed + 1_000 * p.iteration)
+        return success
 
     def final_eval(self) -> dict:
         cfg = self.cfg
