@@ -104,7 +104,9 @@ class EvalConfig:
 class RunnerConfig:
     total_env_steps: int = 1_000_000
     max_minutes: float | None = None  # stop training after this wall-clock budget
-    eval_every: int = 0  # iterations between evaluations on env.num_envs episodes (0: only at the end)
+    # iterations between validation evaluations on env.num_envs episodes whose seeds
+    # (eval.seed + 10_000_000 + k) differ from the final evaluation's (0: only at the end)
+    eval_every: int = 0
     stop_at_success: float | None = None  # stop once a periodic evaluation reaches this success_once
     checkpoint_every: int = 10  # iterations between checkpoints
     seed: int = 1

@@ -25,6 +25,8 @@ from scheduler.cluster import start_cluster
 from scheduler.placement import make_plan
 from scheduler.worker import WorkerGroup
 
+VALIDATION_SEED_OFFSET = 10_000_000  # periodic evals use eval.seed + this + k
+
 
 @dataclass
 class Progress:
@@ -223,7 +225,10 @@ class Trainer:
     def _periodic_eval(self, elapsed: float) -> float:
         """Evaluate on one batch of episodes; returns success_once. ``elapsed``: this iteration's time so far."""
         cfg, p = self.cfg, self.progress
-        rows = self.workers.evaluate(cfg.env.num_envs, cfg.eval.seed, cfg.eval.deterministic)
+        # validation seeds, disjoint from the final evaluation's: stopping early on the
+        # episodes that are then reported would flatter the result
+        rows = self.workers.evaluate(cfg.env.num_envs, cfg.eval.seed + VALIDATION_SEED_OFFSET,
+                                     cfg.eval.deterministic)
         success = _mean(rows, "success_once")
         self.log.scalars({"eval/success_once": success, "eval/success_at_end": _mean(rows, "success_at_end"),
                           "eval/return": _mean(rows, "return")}, p.env_steps)
