@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from policies.base import GaussianActorCritic, layer_init, mlp
-from policies.registry import register_policy
+from policies.registry import POLICIES
 
 
 class ConvEncoder(nn.Module):
@@ -31,7 +31,7 @@ class ConvEncoder(nn.Module):
         return self.fc(self.convs(x))
 
 
-@register_policy("cnn")
+@POLICIES.register("cnn")
 class CNNActorCritic(GaussianActorCritic):
     """Image (+ state) encoder shared by actor and critic heads."""
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from policies.base import GaussianActorCritic, mlp
-from policies.registry import register_policy
+from policies.registry import POLICIES
 
 
-@register_policy("mlp")
+@POLICIES.register("mlp")
 class MLPActorCritic(GaussianActorCritic):
     """Separate actor and critic MLPs (sharing features hurts PPO on state tasks)."""
 

@@ -1,32 +1,24 @@
-"""Policies registered by name: ``@register_policy("mlp")``; ``make_policy`` builds one."""
+"""Policies registered by name: ``@POLICIES.register("mlp")``; ``make_policy`` builds one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from embodied.registry import Registry
 
-POLICIES: dict[str, Callable] = {}
+POLICIES = Registry("policy (policy.name / policy=...)")
 
 
-def register_policy(name: str) -> Callable:
-    def decorator(cls):
-        POLICIES[name] = cls
-        return cls
-
-    return decorator
+def _import_policies() -> None:
+    import policies.cnn  # noqa: F401  (each module registers its policies)
+    import policies.mlp  # noqa: F401
 
 
 def check_policy_name(name: str) -> None:
     """Raise a UserError if no policy is registered as ``name``."""
-    import policies.cnn  # noqa: F401  (registers)
-    import policies.mlp  # noqa: F401
-
-    if name not in POLICIES:
-        from embodied.errors import unknown_name_error
-
-        raise unknown_name_error("policy (policy.name / policy=...)", name, list(POLICIES))
+    _import_policies()
+    POLICIES.get(name)
 
 
 def make_policy(policy_cfg, obs_spec: dict, action_dim: int):
     """Build the policy ``policy_cfg.name`` for observations ``obs_spec`` and ``action_dim`` actions."""
-    check_policy_name(policy_cfg.name)
-    return POLICIES[policy_cfg.name](policy_cfg, obs_spec, action_dim)
+    _import_policies()
+    return POLICIES.get(policy_cfg.name)(policy_cfg, obs_spec, action_dim)

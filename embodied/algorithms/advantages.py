@@ -9,22 +9,14 @@ the reward by the rollout worker).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-ADVANTAGES: dict[str, Callable] = {}
+from embodied.registry import Registry
+
+ADVANTAGES = Registry("advantage estimator (algorithm.advantage)")
 
 
-def register_advantage(name: str) -> Callable:
-    def decorator(fn: Callable) -> Callable:
-        ADVANTAGES[name] = fn
-        return fn
-
-    return decorator
-
-
-@register_advantage("gae")
+@ADVANTAGES.register("gae")
 def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,
         gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016)."""

@@ -6,22 +6,14 @@ returns ``(loss, stats)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-LOSSES: dict[str, Callable] = {}
+from embodied.registry import Registry
+
+LOSSES = Registry("loss (algorithm.loss)")
 
 
-def register_loss(name: str) -> Callable:
-    def decorator(fn: Callable) -> Callable:
-        LOSSES[name] = fn
-        return fn
-
-    return decorator
-
-
-@register_loss("ppo")
+@LOSSES.register("ppo")
 def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
              new_value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor,
              entropy: torch.Tensor, cfg) -> tuple[torch.Tensor, dict[str, float]]:

@@ -17,7 +17,7 @@ from embodied.algorithms.losses import LOSSES
 
 def compute_advantages(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages[T, B], returns[T, B])`` with the estimator ``cfg.advantage``."""
-    fn = ADVANTAGES[cfg.advantage]
+    fn = ADVANTAGES.get(cfg.advantage)
     return fn(batch["rewards"], batch["values"], batch["dones"], batch["next_value"],
               gamma=cfg.gamma, gae_lambda=cfg.gae_lambda)
 
@@ -53,7 +53,7 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
             obs = {k: v[idx] for k, v in data["obs"].items()}
             new_logprob, entropy, new_value = policy.evaluate(obs, data["actions"][idx])
-            loss, step_stats = LOSSES[cfg.loss](
+            loss, step_stats = LOSSES.get(cfg.loss)(
                 new_logprob, data["logprobs"][idx], adv, new_value, data["values"][idx],
                 data["returns"][idx], entropy, cfg,
             )
