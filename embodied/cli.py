@@ -152,7 +152,6 @@ def cmd_eval(overrides: list[str]) -> int:
     workers = Workers(cfg)
     try:
         workers.actor.call("load_state", state["actor"], weights_only=True)
-        workers.sync_weights()
         rows = workers.evaluate(cfg.eval.episodes, cfg.eval.seed, cfg.eval.deterministic)
     finally:
         workers.shutdown()

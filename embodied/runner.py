@@ -97,6 +97,7 @@ class Workers:
         """Run at least ``episodes`` fixed-horizon episodes, seeds ``seed, seed+1, ...``."""
         import ray
 
+        self.sync_weights()  # evaluate the actor's current policy, not the last one rolled out
         num_envs = self.envs_per_worker * len(self.env)
         rows: list[dict] = []
         for round_ in range(math.ceil(episodes / num_envs)):
