@@ -107,7 +107,8 @@ class RunnerConfig:
     # iterations between validation evaluations on env.num_envs episodes whose seeds
     # (eval.seed + 10_000_000 + k) differ from the final evaluation's (0: only at the end)
     eval_every: int = 0
-    stop_at_success: float | None = None  # stop once a periodic evaluation reaches this success_once
+    stop_at_success: float | None = None  # stop once periodic evaluations reach this success_once ...
+    stop_patience: int = 2  # ... this many times in a row (PPO oscillates: one lucky eval is not enough)
     checkpoint_every: int = 10  # iterations between checkpoints
     seed: int = 1
     run_dir: str | None = None  # None: runs/<task>-<policy>-<timestamp>

@@ -162,9 +162,10 @@ class Trainer:
         limit = self.cfg.runner.max_minutes
         return limit is not None and self.progress.train_seconds >= limit * 60
 
-    def _good_enough(self, eval_success: float | None) -> bool:
-        target = self.cfg.runner.stop_at_success
-        return target is not None and eval_success is not None and eval_success >= target
+    def _good_enough(self, eval_history: list[float]) -> bool:
+        target, patience = self.cfg.runner.stop_at_success, self.cfg.runner.stop_patience
+        recent = eval_history[-patience:]
+        return target is not None and len(recent) == patience and min(recent) >= target
 
     def _set_lr(self) -> None:
         if self.cfg.algorithm.anneal_lr:
@@ -177,13 +178,13 @@ class Trainer:
         # a resumed run gets fresh env seeds, not a replay of its first iterations
         self.workers.env.call("reset", seed=cfg.runner.seed + 1_000 * p.iteration)
         try:
-            eval_success = None
+            eval_history: list[float] = []
             while (p.iteration < self.total_iterations and not self._time_is_up()
-                   and not self._good_enough(eval_success)):
+                   and not self._good_enough(eval_history)):
                 start = time.perf_counter()
                 self._iterate()
                 if cfg.runner.eval_every and p.iteration % cfg.runner.eval_every == 0:
-                    eval_success = self._periodic_eval(elapsed=time.perf_counter() - start)
+                    eval_history.append(self._periodic_eval(elapsed=time.perf_counter() - start))
                 if cfg.runner.checkpoint_every and p.iteration % cfg.runner.checkpoint_every == 0:
                     self.save()
                 p.train_seconds += time.perf_counter() - start
