@@ -59,7 +59,7 @@ class Workers:
         common = dict(policy_cfg=cfg.policy, algorithm_cfg=cfg.algorithm,
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
         self.rollout = WorkerGroup(RolloutWorker, plan.groups["rollout"], plan, threads,
-                                   num_env_workers=len(self.env), **common)
+                                   num_env_workers=len(self.env), seed=cfg.runner.seed, **common)
         self.actor = WorkerGroup(ActorWorker, plan.groups["actor"], plan, threads, seed=cfg.runner.seed,
                                  update_threads=cfg.placement.actor_threads, **common)
         self.channel = Channel("env<->rollout")

@@ -128,3 +128,19 @@ def test_resolved_config_is_written(tmp_path):
     path = Path(tmp_path) / "config.yaml"
     path.write_text(to_yaml(cfg))
     assert load_yaml(path) == cfg
+
+
+def test_seeded_runs_are_identical(ray_cluster, tmp_path):
+    weights = []
+    for name in ("a", "b", "c"):
+        seed = "runner.seed=7" if name != "c" else "runner.seed=8"
+        cfg = small_config(f"runner.run_dir={tmp_path / name}", "runner.total_env_steps=80", seed)
+        trainer = Trainer(cfg, tmp_path / name)
+        try:
+            trainer.train()
+            weights.append(trainer.workers.actor.call("get_weights")[0])
+        finally:
+            trainer.close()
+    for key in weights[0]:
+        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=0, atol=0)
+    assert any(not torch.equal(weights[0][k], weights[2][k]) for k in weights[0])

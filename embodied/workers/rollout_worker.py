@@ -23,8 +23,9 @@ BOOTSTRAP_MASKS = {
 
 class RolloutWorker(Worker):
     def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int,
-                 num_env_workers: int, **kwargs):
+                 num_env_workers: int, seed: int, **kwargs):
         super().__init__(**kwargs)
+        torch.manual_seed(seed + 7919 * (self.rank + 1))  # action sampling: seeded runs repeat exactly
         self.cfg = algorithm_cfg
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device).eval()
         self.env_ranks = [r for r in range(num_env_workers) if r % self.world_size == self.rank]
