@@ -11,12 +11,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from embodied.algorithms.advantages import ADVANTAGES
+from embodied.algorithms.losses import LOSSES
 from embodied.checkpoint import save_checkpoint
 from embodied.config import TrainConfig, to_yaml
 from embodied.evaluate import summarize
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
-from embodied.workers.rollout_worker import RolloutWorker
+from embodied.workers.rollout_worker import BOOTSTRAP_MASKS, RolloutWorker
 from envs.registry import check_env_config
 from envs.subproc import EnvCrashedError
 from policies.registry import check_policy_name
@@ -46,6 +48,9 @@ class Workers:
         # bad names fail here, in seconds, before any worker starts
         check_env_config(cfg.env)
         check_policy_name(cfg.policy.name)
+        for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
+                               (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap)):
+            registry.get(name)
         resources = start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         plan = make_plan(cfg.placement, num_gpus=int(resources.get("GPU", 0)),
                          num_cpus=int(resources.get("CPU", 1)), num_envs=cfg.env.num_envs)

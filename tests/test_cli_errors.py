@@ -12,6 +12,8 @@ CASES = {
     "misspelled key": (["train", "algorithm.lrr=3e-4"], ["Did you mean 'algorithm.lr'"]),
     "misspelled section": (["train", "algorithmm.lr=3e-4"], ["algorithm"]),
     "wrong type": (["train", "algorithm.lr=fast"], ["algorithm.lr"]),
+    "unknown loss": (["train", "algorithm.loss=ppo2"], ["algorithm.loss", "'ppo'"]),
+    "unknown bootstrap rule": (["train", "algorithm.bootstrap=always"], ["algorithm.bootstrap", "all_ends"]),
     "missing checkpoint": (["eval", "checkpoint=/nonexistent/run"], ["/nonexistent/run", "checkpoint="]),
     "eval without checkpoint": (["eval"], ["checkpoint="]),
     "bad resume dir": (["train", "resume=/nonexistent/run"], ["resume", "config.yaml"]),

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import torch
 
+from embodied.registry import Registry
 from policies.registry import make_policy
 from scheduler.channel import Channel
 from scheduler.worker import Worker
 
 # which finished episodes get their final observation's value added to the last reward
-BOOTSTRAP_MASKS = {
+BOOTSTRAP_MASKS = Registry("bootstrap rule (algorithm.bootstrap)")
+BOOTSTRAP_MASKS.update({
     "all_ends": lambda terminated, truncated: terminated | truncated,
     "time_limit": lambda terminated, truncated: truncated & ~terminated,
     "none": lambda terminated, truncated: torch.zeros_like(terminated),
-}
+})
 
 
 class RolloutWorker(Worker):
@@ -69,7 +71,7 @@ class RolloutWorker(Worker):
         ``bootstrap=all_ends`` also a success), add ``gamma * V(final_obs)`` so the cut
         does not read as a zero-value terminal state."""
         reward = msg["reward"].clone()
-        cut = BOOTSTRAP_MASKS[self.cfg.bootstrap](msg["terminated"], msg["truncated"])
+        cut = BOOTSTRAP_MASKS.get(self.cfg.bootstrap)(msg["terminated"], msg["truncated"])
         if bool(cut.any()):
             final_value = self.policy.value(self._obs(msg["final_obs"])).cpu()
             reward[cut] += self.cfg.gamma * final_value[cut]
