@@ -44,8 +44,7 @@ def config_from_saved(saved_yaml: str, overrides: list[str]):
     """
     from omegaconf import OmegaConf
 
-    from embodied.config import CONFIG_DIR, config_groups, validate
-    from embodied.errors import unknown_name_error
+    from embodied.config import CONFIG_DIR, config_groups, unknown_group_option_error, validate
 
     base = OmegaConf.create(saved_yaml)
     groups = config_groups()
@@ -54,7 +53,7 @@ def config_from_saved(saved_yaml: str, overrides: list[str]):
         key, _, value = item.partition("=")
         if key in groups:
             if value not in groups[key]:
-                raise unknown_name_error(f"{key} config ({key}=...)", value, groups[key])
+                raise unknown_group_option_error(key, value)
             base[key] = OmegaConf.load(CONFIG_DIR / key / f"{value}.yaml")
         else:
             dotted.append(item)
@@ -165,14 +164,11 @@ def cmd_eval(overrides: list[str]) -> int:
 
 def cmd_record(overrides: list[str]) -> int:
     from embodied.evaluate import record_videos
-    from policies.registry import make_policy
 
     cfg, state, path = _checkpointed(overrides, required=False)
     policy = None
     if state is not None:
-        policy = make_policy(cfg.policy, state["obs_spec"], state["action_dim"])
-        policy.load_state_dict(state["actor"]["policy"])
-        policy.eval()
+        policy = _policy_from_state(cfg, state["obs_spec"], state["action_dim"], state["actor"]["policy"])
     out_dir = _out_dir(cfg, path, "videos")
     episodes = max(cfg.eval.video_episodes, 1)
     for video in record_videos(policy, cfg.env, episodes, cfg.eval.seed, out_dir, cfg.eval.deterministic):

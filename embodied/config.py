@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from embodied.errors import UserError
+from embodied.errors import UserError, unknown_name_error
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -156,19 +156,18 @@ def unknown_key_error(dotted: str) -> UserError:
     return UserError(f"Config key '{dotted}' cannot be set this way; see `embodied train --cfg job`.")
 
 
+def unknown_group_option_error(group: str, option: str) -> UserError:
+    """``env=maniskill_pushcub`` -> an error listing the files of configs/env/."""
+    err = unknown_name_error(f"{group} config ({group}=...)", option, config_groups().get(group, []))
+    return UserError(f"{err} Each option is a file configs/{group}/<name>.yaml.")
+
+
 def _override_error(err: Exception, overrides: list[str]) -> UserError:
     """Turn Hydra's composition error into one paragraph that names the fix."""
     text = str(err)
-    missing = re.search(r"Could not find '([\w/]+)/([\w.-]+)'", text) or re.search(
-        r"In '\w+': Could not find '([\w/]+)/([\w.-]+)'", text
-    )
+    missing = re.search(r"Could not find '([\w/]+)/([\w.-]+)'", text)
     if missing:
-        group, option = missing.group(1), missing.group(2)
-        options = config_groups().get(group, [])
-        from embodied.errors import unknown_name_error
-
-        err = unknown_name_error(f"{group} config ({group}=...)", option, options)
-        return UserError(f"{err} Each option is a file configs/{group}/<name>.yaml.")
+        return unknown_group_option_error(missing.group(1), missing.group(2))
     key = re.search(r"Could not override '([\w.]+)'", text)
     if key:
         return unknown_key_error(key.group(1))
