@@ -144,3 +144,12 @@ def test_seeded_runs_are_identical(ray_cluster, tmp_path):
     for key in weights[0]:
         torch.testing.assert_close(weights[0][key], weights[1][key], rtol=0, atol=0)
     assert any(not torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
+
+
+def test_record_without_checkpoint_films_a_random_policy(tmp_path):
+    proc = run_cli("record", "eval.video_episodes=1", "env.render_size=64", f"runner.run_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (video,) = tmp_path.glob("episode_0_seed_*.mp4")
+    frames = imageio.mimread(video)
+    assert len(frames) == 50
+    assert not (frames[0] == frames[-1]).all()  # the random arm moved
