@@ -11,11 +11,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from embodied.registry import Registry
+
 ENV_BACKENDS: dict[str, Callable] = {}
 ENV_VALIDATORS: dict[str, Callable] = {}
 
 # backend name -> module that registers it
-_BACKEND_MODULES = {"maniskill": "envs.maniskill"}
+_BACKEND_MODULES = Registry("env backend (env.backend)")
+_BACKEND_MODULES.update({"maniskill": "envs.maniskill"})
 
 
 def register_env(name: str, validate: Callable | None = None) -> Callable:
@@ -31,11 +34,7 @@ def register_env(name: str, validate: Callable | None = None) -> Callable:
 
 
 def _load_backend(env_cfg) -> None:
-    if env_cfg.backend not in _BACKEND_MODULES:
-        from embodied.errors import unknown_name_error
-
-        raise unknown_name_error("env backend (env.backend)", env_cfg.backend, list(_BACKEND_MODULES))
-    importlib.import_module(_BACKEND_MODULES[env_cfg.backend])
+    importlib.import_module(_BACKEND_MODULES.get(env_cfg.backend))
 
 
 def check_env_config(env_cfg) -> None:
