@@ -73,14 +73,24 @@ class AlgorithmConfig:
 
 @dataclass
 class PlacementConfig:
-    mode: str = "colocated"  # only colocated exists yet (M2Flow modes come next)
+    """Which devices each worker group uses, and how groups share them (scheduler/placement.py)."""
+
+    mode: str = "colocated"  # "colocated" | "disaggregated" | "hybrid" (see scheduler/placement.py)
     env_workers: int = 2  # Ray actors that step simulators
     rollout_workers: int = 1  # Ray actors that run policy inference
     actor_workers: int = 1  # Ray actors that train
     env: str = "0-1"  # device range for env workers: GPU ids, or CPU slots without GPUs
     rollout: str = "0"
     actor: str = "0"
+    # micro-batches per env worker: the simulator steps one while the policy infers on another
+    # (needs env and rollout on different devices: mode hybrid or disaggregated)
     pipeline_stages: int = 1
+    # move the actor's weights and optimizer state off a device it shares while the others run:
+    # "auto" (on GPUs only: CPU slots share one host memory), "always" or "never"
+    offload: str = "auto"
+    # actor -> rollout weights: "auto" (shared_memory when on one node, else object_store),
+    # "shared_memory" (in place through /dev/shm) or "object_store" (Ray, across nodes)
+    weight_sync: str = "auto"
     torch_threads: int = 1  # intra-op threads per worker (2 cores: keep 1)
     actor_threads: int = 2  # intra-op threads of the actor while it updates (the sims are idle then)
 

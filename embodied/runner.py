@@ -1,7 +1,8 @@
 """The training loop, on Ray worker groups.
 
-One iteration: weight sync (actor -> rollout) -> rollout (env <-> rollout workers
-over a Channel) -> PPO update on the actor -> logging, checkpoint, evaluation.
+One iteration: weight sync (actor -> rollout) and a turn for env + rollout workers
+-> rollout (env <-> rollout workers over a Channel, per micro-batch) -> a turn for
+the actor -> PPO update -> logging, checkpoint, evaluation.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from envs.registry import check_env_config
 from envs.subproc import EnvCrashedError
 from policies.registry import check_policy_name
 from scheduler.channel import Channel
-from scheduler.cluster import start_cluster
-from scheduler.placement import make_plan
+from scheduler.cluster import cluster_devices, start_cluster
+from scheduler.placement import PHASES, Plan, make_plan
 from scheduler.worker import WorkerGroup
 
 VALIDATION_SEED_OFFSET = 10_000_000  # periodic evals use eval.seed + this + k
@@ -40,8 +41,51 @@ class Progress:
     solved_at_seconds: float | None = None  # first periodic eval with success_once >= 0.9
 
 
+class ContextSwitcher:
+    """The device lock of groups that share devices: one phase holds them at a time.
+
+    Phases (``scheduler.placement.PHASES``): ``generate`` (env + rollout workers) and
+    ``train`` (the actor). Before a phase runs, the other phase's groups that share a
+    device with it offload (when the plan offloads at all) and its own groups onload.
+    Only the driver calls :meth:`turn`, so turns never interleave.
+    """
+
+    def __init__(self, plan: Plan, groups: dict[str, WorkerGroup]):
+        self.plan = plan
+        self.groups = groups
+        self.resident = set(groups)
+
+    def turn(self, phase: str) -> dict[str, float]:
+        """Give the devices to ``phase``; returns switch time and bytes moved off devices."""
+        import ray
+
+        if not self.plan.offload:
+            return {}
+        t0 = time.perf_counter()
+        runs = PHASES[phase]
+        leaving = sorted(g for g in self.resident - set(runs)
+                         if any(self.plan.shares_device(g, r) for r in runs))
+        reports = ray.get([ref for g in leaving for ref in self.groups[g].call_async("offload")])
+        self.resident -= set(leaving)
+        t1 = time.perf_counter()
+        arriving = [g for g in runs if g not in self.resident]
+        ray.get([ref for g in arriving for ref in self.groups[g].call_async("onload")])
+        self.resident |= set(arriving)
+        return {"offload_s": t1 - t0, "onload_s": time.perf_counter() - t1,
+                "offloaded_mib": sum(r["bytes_moved"] for r in reports) / 2**20,
+                **_device_freed(reports)}
+
+
+def _device_freed(reports: list[dict]) -> dict[str, float]:
+    """Device memory released by offloads (GPU only: CPU workers report none)."""
+    freed = [r["device_bytes_before"] - r["device_bytes_after"] for r in reports
+             if r.get("device_bytes_before") is not None]
+    return {"device_freed_mib": sum(freed) / 2**20} if freed else {}
+
+
 class Workers:
-    """The three worker groups of a run and the channel between env and rollout workers."""
+    """The three worker groups of a run, the channel between env and rollout workers,
+    weight sync and context switching."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -51,35 +95,73 @@ class Workers:
         for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
                                (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap)):
             registry.get(name)
-        resources = start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
-        plan = make_plan(cfg.placement, num_gpus=int(resources.get("GPU", 0)),
-                         num_cpus=int(resources.get("CPU", 1)), num_envs=cfg.env.num_envs)
-        threads = cfg.placement.torch_threads
+        start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
+        self.plan = plan = make_plan(cfg.placement, cluster_devices(), num_envs=cfg.env.num_envs)
+        threads, stages = cfg.placement.torch_threads, plan.pipeline_stages
         self.envs_per_worker = cfg.env.num_envs // cfg.placement.env_workers
-        self.env = WorkerGroup(EnvWorker, plan.groups["env"], plan, threads,
-                               env_cfg=cfg.env, num_envs=self.envs_per_worker)
+        self.env = WorkerGroup(EnvWorker, "env", plan, threads, env_cfg=cfg.env,
+                               num_envs=self.envs_per_worker, stages=stages)
         spec = self.env.call("spec")[0]
         self.obs_spec, self.action_dim = spec["obs_spec"], spec["action_dim"]
         self.max_episode_steps = spec["max_episode_steps"]
         common = dict(policy_cfg=cfg.policy, algorithm_cfg=cfg.algorithm,
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
-        self.rollout = WorkerGroup(RolloutWorker, plan.groups["rollout"], plan, threads,
-                                   num_env_workers=len(self.env), seed=cfg.runner.seed, **common)
-        self.actor = WorkerGroup(ActorWorker, plan.groups["actor"], plan, threads, seed=cfg.runner.seed,
+        self.rollout = WorkerGroup(RolloutWorker, "rollout", plan, threads, num_env_workers=len(self.env),
+                                   envs_per_worker=self.envs_per_worker, stages=stages,
+                                   seed=cfg.runner.seed, **common)
+        self.actor = WorkerGroup(ActorWorker, "actor", plan, threads, seed=cfg.runner.seed,
                                  update_threads=cfg.placement.actor_threads, **common)
         self.channel = Channel("env<->rollout")
+        self.switcher = ContextSwitcher(plan, {"env": self.env, "rollout": self.rollout, "actor": self.actor})
+        if plan.weight_sync == "shared_memory":
+            layout = self.actor.call("share_weights")[0]
+            self.rollout.call("attach_shared_weights", layout)
+            self.actor.call("unlink_shared_weights")  # every mapping is made: nothing left to clean up
+        self._weights_ref = None
+        self._weights_stale = True  # the actor has weights the rollout workers have not got
 
-    def sync_weights(self) -> None:
+    # -- weight sync and turns ------------------------------------------------------------
+    def _publish_weights(self) -> None:
+        """Actor side of a weight sync: to the shared buffer, or into the object store."""
         import ray
 
-        weights = ray.put(self.actor.call("get_weights")[0])
-        self.rollout.call("set_weights", weights)
+        if self.plan.weight_sync == "shared_memory":
+            self.actor.call("publish_weights")
+        else:
+            self._weights_ref = self.actor.workers[0].get_weights.remote()
+            ray.wait([self._weights_ref])  # read before the actor may be offloaded
 
-    def rollout_and_update(self, num_steps: int) -> tuple[list[dict], dict, dict]:
-        """Collect ``num_steps`` per env, then one PPO update.
+    def _receive_weights(self) -> None:
+        if self.plan.weight_sync == "shared_memory":
+            self.rollout.call("use_shared_weights")
+        else:
+            self.rollout.call("set_weights", self._weights_ref)
 
-        Returns (finished episodes, train stats, stage times in seconds).
-        """
+    def load_actor_state(self, state: dict, weights_only: bool = False) -> None:
+        self.switcher.turn("train")
+        self.actor.call("load_state", state, weights_only=weights_only)
+        self._weights_stale = True
+
+    def actor_state(self) -> dict:
+        """The actor's full state (for a checkpoint), onloading it first if it was offloaded."""
+        self.switcher.turn("train")
+        return self.actor.call("state")[0]
+
+    def prepare_generation(self) -> dict[str, float]:
+        """Sync weights and give the devices to env and rollout workers; returns timings."""
+        t0 = time.perf_counter()
+        if self._weights_stale:  # the actor is resident: it just trained or was loaded
+            self._publish_weights()
+            self._weights_stale = False
+        t1 = time.perf_counter()
+        switch = self.switcher.turn("generate")
+        t2 = time.perf_counter()
+        self._receive_weights()
+        return {"weight_sync_s": (t1 - t0) + (time.perf_counter() - t2), **switch}
+
+    # -- one iteration -------------------------------------------------------------------
+    def rollout_steps(self, num_steps: int) -> tuple[list[dict], list, dict]:
+        """Collect ``num_steps`` per env. Returns (finished episodes, trajectory refs, stage times)."""
         import ray
 
         t0 = time.perf_counter()
@@ -87,22 +169,32 @@ class Workers:
         trajectory_refs = self.rollout.call_async("collect", num_steps, self.channel)
         env_out = ray.get(env_refs)
         ray.wait(trajectory_refs, num_returns=len(trajectory_refs))
-        t1 = time.perf_counter()
-        # trajectories go rollout -> actor through the object store, never via the driver
-        stats = ray.get(self.actor.workers[0].update.remote(*trajectory_refs))
+        rollout_times = self.rollout.call("last_times")
         times = {
-            "rollout_s": t1 - t0,
-            "update_s": time.perf_counter() - t1,
+            "rollout_s": time.perf_counter() - t0,
             "env_sim_s": max(out["sim_s"] for out in env_out),
             "env_wait_s": max(out["wait_s"] for out in env_out),
+            "infer_s": max(t["infer_s"] for t in rollout_times),
+            "infer_wait_s": max(t["wait_s"] for t in rollout_times),
         }
-        return [row for out in env_out for row in out["episodes"]], stats, times
+        return [row for out in env_out for row in out["episodes"]], trajectory_refs, times
+
+    def update(self, trajectory_refs: list) -> tuple[dict, dict]:
+        """Give the devices to the actor and run one PPO update. Returns (stats, timings)."""
+        import ray
+
+        switch = self.switcher.turn("train")
+        t0 = time.perf_counter()
+        # trajectories go rollout -> actor through the object store, never via the driver
+        stats = ray.get(self.actor.workers[0].update.remote(*trajectory_refs))
+        self._weights_stale = True
+        return stats, {"update_s": time.perf_counter() - t0, **{f"train_{k}": v for k, v in switch.items()}}
 
     def evaluate(self, episodes: int, seed: int, deterministic: bool) -> list[dict]:
         """Run at least ``episodes`` fixed-horizon episodes, seeds ``seed, seed+1, ...``."""
         import ray
 
-        self.sync_weights()  # evaluate the actor's current policy, not the last one rolled out
+        self.prepare_generation()  # evaluate the actor's current policy, not the last one rolled out
         num_envs = self.envs_per_worker * len(self.env)
         rows: list[dict] = []
         for round_ in range(math.ceil(episodes / num_envs)):
@@ -142,9 +234,9 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if resume_from:
-            self.workers.actor.call("load_state", resume_from["actor"])
+            self.workers.load_actor_state(resume_from["actor"])
         elif warm_start:
-            self.workers.actor.call("load_state", warm_start["actor"], weights_only=True)
+            self.workers.load_actor_state(warm_start["actor"], weights_only=True)
         self.steps_per_iteration = cfg.algorithm.rollout_steps * cfg.env.num_envs
         self.total_iterations = math.ceil(cfg.runner.total_env_steps / self.steps_per_iteration)
         self.log = RunLogger(run_dir, cfg.runner.total_env_steps, self.progress.env_steps, cfg.runner.progress)
@@ -154,7 +246,7 @@ class Trainer:
         from dataclasses import asdict
 
         state = {
-            "actor": self.workers.actor.call("state")[0],
+            "actor": self.workers.actor_state(),
             "progress": asdict(self.progress),
             "config_yaml": to_yaml(self.cfg),
             "obs_spec": self.workers.obs_spec,
@@ -204,16 +296,15 @@ class Trainer:
         p = self.progress
         self._set_lr()
         t0 = time.perf_counter()
-        self.workers.sync_weights()
-        t1 = time.perf_counter()
-        episodes, stats, times = self.workers.rollout_and_update(self.cfg.algorithm.rollout_steps)
+        sync = self.workers.prepare_generation()
+        episodes, trajectories, times = self.workers.rollout_steps(self.cfg.algorithm.rollout_steps)
+        stats, update_times = self.workers.update(trajectories)
         t2 = time.perf_counter()
         p.iteration += 1
         p.env_steps += self.steps_per_iteration
         scalars = {f"train/{k}": v for k, v in stats.items()}
-        scalars.update({f"time/{k}": v for k, v in times.items()})
+        scalars.update({f"time/{k}": v for k, v in {**sync, **times, **update_times}.items()})
         scalars.update({
-            "time/weight_sync_s": t1 - t0,
             "time/iteration_s": t2 - t0,
             "time/env_steps_per_s": self.steps_per_iteration / (t2 - t0),
             "time/total_minutes": (p.train_seconds + t2 - t0) / 60,

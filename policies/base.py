@@ -1,6 +1,6 @@
 """The policy protocol: a Gaussian actor-critic on a dict of batched observations.
 
-``act(obs)`` -> ``(actions[B, A], log_prob[B], value[B])``
+``act(obs, noise=None)`` -> ``(actions[B, A], log_prob[B], value[B])``
 ``evaluate(obs, actions[B, A])`` -> ``(log_prob[B], entropy[B], value[B])``
 ``value(obs)`` -> ``value[B]``
 """
@@ -14,6 +14,34 @@ from torch import nn
 from torch.distributions import Normal
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can compute each output row exactly as a batch of one would.
+
+    BLAS picks different kernels (so different summation orders) for different batch
+    sizes, so ``linear(x)[i]`` can differ in the last bit from ``linear(x[i:i+1])``.
+    Rollout workers turn ``batch_invariant`` on (see :func:`set_batch_invariant`) so a
+    pipelined rollout, which infers on micro-batches, gives the serial run's actions
+    bit for bit. Training keeps the fast path. State-dict names are nn.Linear's.
+    """
+
+    batch_invariant: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().forward(x)
+        rows = x.reshape(-1, 1, self.in_features)  # one [1, in] @ [in, out] product per row
+        out = torch.baddbmm(self.bias.expand(rows.shape[0], 1, -1), rows,
+                            self.weight.t().expand(rows.shape[0], -1, -1))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def set_batch_invariant(module: nn.Module, enabled: bool = True) -> None:
+    """Switch every :class:`Linear` in ``module`` to (or from) the batch-invariant path."""
+    for layer in module.modules():
+        if isinstance(layer, Linear):
+            layer.batch_invariant = enabled
 
 
 def layer_init(layer: nn.Linear | nn.Conv2d, gain: float = math.sqrt(2)) -> nn.Module:
@@ -32,7 +60,7 @@ def mlp(sizes: list[int], activation: str, out_gain: float | None = None) -> nn.
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         last = i == len(sizes) - 2
-        layers.append(layer_init(nn.Linear(a, b), out_gain if last and out_gain is not None else math.sqrt(2)))
+        layers.append(layer_init(Linear(a, b), out_gain if last and out_gain is not None else math.sqrt(2)))
         if not last:
             layers.append(ACTIVATIONS[activation]())
     return nn.Sequential(*layers)
@@ -52,15 +80,28 @@ class GaussianActorCritic(nn.Module):
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+    def heads(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(action mean [B, A], value [B])``; subclasses with a shared encoder run it once."""
+        return self.actor_mean(obs), self.value(obs)
+
     def distribution(self, obs: dict[str, torch.Tensor]) -> Normal:
         mean = self.actor_mean(obs)
         return Normal(mean, self.log_std.expand_as(mean).exp())
 
     @torch.no_grad()
-    def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False):
-        dist = self.distribution(obs)
-        actions = dist.mean if deterministic else dist.sample()
-        return actions, dist.log_prob(actions).sum(-1), self.value(obs)
+    def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False,
+            noise: torch.Tensor | None = None):
+        """Sample ``mean + std * noise``; ``noise [B, A]`` defaults to fresh ``randn``.
+
+        Passing the noise lets a caller make sampling independent of how a batch is split.
+        """
+        mean, value = self.heads(obs)
+        std = self.log_std.expand_as(mean).exp()
+        if deterministic:
+            actions = mean
+        else:
+            actions = mean + std * (torch.randn_like(mean) if noise is None else noise.to(mean.device))
+        return actions, Normal(mean, std).log_prob(actions).sum(-1), value
 
     def evaluate(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
         dist = self.distribution(obs)

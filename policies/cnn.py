@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from policies.base import GaussianActorCritic, layer_init, mlp
+from policies.base import GaussianActorCritic, Linear, layer_init, mlp
 from policies.registry import POLICIES
 
 
@@ -23,7 +23,7 @@ class ConvEncoder(nn.Module):
         self.convs = nn.Sequential(*layers, nn.Flatten())
         with torch.no_grad():
             flat = self.convs(torch.zeros(1, in_channels, *image_hw)).shape[-1]
-        self.fc = nn.Sequential(layer_init(nn.Linear(flat, feature_dim)), nn.ReLU())
+        self.fc = nn.Sequential(layer_init(Linear(flat, feature_dim)), nn.ReLU())
 
     def forward(self, rgb: torch.Tensor) -> torch.Tensor:
         """``rgb``: uint8 ``[B, H, W, C]`` -> float ``[B, feature_dim]``."""
@@ -64,6 +64,10 @@ class CNNActorCritic(GaussianActorCritic):
 
     def value(self, obs):
         return self.critic(self.features(obs)).squeeze(-1)
+
+    def heads(self, obs):
+        feats = self.features(obs)  # one encoder pass for both heads
+        return self.actor(feats), self.critic(feats).squeeze(-1)
 
     def evaluate(self, obs, actions):
         # one encoder pass for both heads

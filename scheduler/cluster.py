@@ -34,6 +34,27 @@ def start_cluster(address: str | None = None, num_cpus: int | None = None,
     return dict(ray.cluster_resources())
 
 
+def cluster_devices():
+    """The cluster's devices, numbered node by node (head node first, then by address).
+
+    GPUs if any node has one, else CPU slots. Returns a
+    :class:`~scheduler.placement.ClusterDevices`.
+    """
+    import ray
+
+    from scheduler.placement import ClusterDevices, Device
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    nodes.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeManagerAddress"], n["NodeID"]))
+    kind = "gpu" if any(n["Resources"].get("GPU", 0) >= 1 for n in nodes) else "cpu"
+    resource = "GPU" if kind == "gpu" else "CPU"
+    devices: list = []
+    for node in nodes:
+        for local in range(int(node["Resources"].get(resource, 0))):
+            devices.append(Device(len(devices), node["NodeID"], local))
+    return ClusterDevices(kind, devices)
+
+
 def stop_cluster() -> None:
     import ray
 

@@ -1,18 +1,33 @@
 """Where each worker group runs: a Plan resolved from ``placement`` config.
 
-Devices are GPUs on a machine with GPUs and CPU slots otherwise. A group's device
-range (``"0-1"``, ``"0,2"``, ``"3"``) lists the devices its ranks are spread over;
-rank ``i`` lands on device ``range[i % len(range)]``.
+Devices are GPUs on a cluster with GPUs and CPU slots otherwise, numbered across the
+whole cluster node by node (the head node first): with two 8-GPU nodes, devices 0-7
+are the head's and 8-15 the other's. A group's device range (``"0-1"``, ``"0,2"``,
+``"3"``) lists the devices its ranks are spread over: rank ``i`` lands on device
+``range[i % len(range)]``.
+
+Modes say which groups may share a device:
+
+- ``colocated``: env and rollout workers share devices, and the actor shares them
+  too; groups take turns (context switching), so env and rollout never overlap
+  (``pipeline_stages`` must be 1).
+- ``disaggregated``: every group on its own devices; env and rollout overlap on
+  micro-batches (``pipeline_stages`` > 1).
+- ``hybrid``: env and rollout on separate devices (pipelined) and the actor
+  time-sharing theirs: RLinf's usual plan for embodied RL.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from embodied.errors import UserError
 
 GROUPS = ("env", "rollout", "actor")
-MODES = ("colocated",)
+MODES = ("colocated", "disaggregated", "hybrid")
+OFFLOAD = ("auto", "always", "never")
+WEIGHT_SYNC = ("auto", "shared_memory", "object_store")
+PHASES = {"generate": ("env", "rollout"), "train": ("actor",)}  # groups that run together
 
 
 def parse_devices(spec: str) -> list[int]:
@@ -34,6 +49,25 @@ def parse_devices(spec: str) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Device:
+    """One device of the cluster: its global index, the Ray node it is on, its index there."""
+
+    index: int
+    node_id: str
+    local_index: int
+
+
+@dataclass(frozen=True)
+class ClusterDevices:
+    kind: str  # "gpu" | "cpu"
+    devices: list[Device]
+
+    @staticmethod
+    def single_node(kind: str, count: int, node_id: str = "local") -> ClusterDevices:
+        return ClusterDevices(kind, [Device(i, node_id, i) for i in range(count)])
+
+
+@dataclass(frozen=True)
 class GroupPlacement:
     name: str
     num_workers: int
@@ -43,18 +77,30 @@ class GroupPlacement:
     def device_of(self, rank: int) -> int:
         return self.devices[rank % len(self.devices)]
 
+    def used_devices(self) -> set[int]:
+        return {self.device_of(r) for r in range(self.num_workers)}
+
     def share(self, plan: Plan) -> float:
         """Fraction of a device each rank requests: devices are shared by every rank on them."""
         users = plan.ranks_per_device()
-        return 1.0 / max(users.get(d, 1) for d in self.devices)
+        return 1.0 / max(users[d] for d in self.used_devices())
 
 
 @dataclass(frozen=True)
 class Plan:
     mode: str
     groups: dict[str, GroupPlacement]
-    device_kind: str
-    num_devices: int
+    cluster: ClusterDevices
+    pipeline_stages: int = 1
+    offload: bool = False  # offload groups that share a device with the running phase
+    weight_sync: str = "object_store"
+
+    @property
+    def device_kind(self) -> str:
+        return self.cluster.kind
+
+    def device(self, group: str, rank: int) -> Device:
+        return self.cluster.devices[self.groups[group].device_of(rank)]
 
     def ranks_per_device(self) -> dict[int, int]:
         users: dict[int, int] = {}
@@ -64,33 +110,115 @@ class Plan:
                 users[d] = users.get(d, 0) + 1
         return users
 
+    def shares_device(self, a: str, b: str) -> bool:
+        """Do any ranks of groups ``a`` and ``b`` sit on the same device?"""
+        return bool(self.groups[a].used_devices() & self.groups[b].used_devices())
 
-def make_plan(placement_cfg, num_gpus: int, num_cpus: int, num_envs: int) -> Plan:
+    def same_node(self, a: str, b: str) -> bool:
+        """Are all ranks of groups ``a`` and ``b`` on one Ray node?"""
+        nodes = {self.cluster.devices[d].node_id for g in (a, b) for d in self.groups[g].used_devices()}
+        return len(nodes) == 1
+
+    def describe(self) -> str:
+        parts = [f"{name} x{g.num_workers} on {_ranges(sorted(g.used_devices()))}" for name, g in self.groups.items()]
+        return (f"{self.mode} ({self.cluster.kind}): " + ", ".join(parts)
+                + f"; {self.pipeline_stages} stage(s); weight sync {self.weight_sync}"
+                + ("; offload" if self.offload else ""))
+
+
+def _ranges(devices: list[int]) -> str:
+    return ",".join(str(d) for d in devices)
+
+
+def make_plan(placement_cfg, cluster: ClusterDevices, num_envs: int) -> Plan:
     """Validate ``placement_cfg`` against the cluster's devices and build the Plan."""
-    if placement_cfg.mode not in MODES:
-        raise UserError(f"placement.mode={placement_cfg.mode!r} is not available yet; use one of {MODES}.")
-    kind = "gpu" if num_gpus > 0 else "cpu"
-    available = num_gpus if num_gpus > 0 else num_cpus
-    counts = {"env": placement_cfg.env_workers, "rollout": placement_cfg.rollout_workers,
-              "actor": placement_cfg.actor_workers}
-    groups = {}
-    for name in GROUPS:
-        devices = parse_devices(getattr(placement_cfg, name))
-        bad = [d for d in devices if d >= available or d < 0]
-        if bad:
-            raise UserError(
-                f"placement.{name}={getattr(placement_cfg, name)!r} names {kind} device(s) {bad}, "
-                f"but the cluster has {available} {kind} device(s) (0-{available - 1}). "
-                f"Change placement.{name} or give Ray more devices (ray.num_cpus / ray.num_gpus)."
-            )
-        if counts[name] < 1:
-            raise UserError(f"placement.{name}_workers must be at least 1 (got {counts[name]}).")
-        groups[name] = GroupPlacement(name, counts[name], devices, kind)
-    if num_envs % counts["env"] != 0:
-        raise UserError(
-            f"env.num_envs={num_envs} does not split evenly over placement.env_workers={counts['env']}: "
-            f"make num_envs a multiple of {counts['env']}."
-        )
+    cfg = placement_cfg
+    if cfg.mode not in MODES:
+        raise UserError(f"placement.mode={cfg.mode!r} is not a placement mode: use one of {', '.join(MODES)}.")
+    counts = {"env": cfg.env_workers, "rollout": cfg.rollout_workers, "actor": cfg.actor_workers}
+    groups = {name: _group(name, getattr(cfg, name), counts[name], cluster) for name in GROUPS}
     if counts["actor"] != 1:
         raise UserError("placement.actor_workers > 1 (data-parallel training) is not available yet; set it to 1.")
-    return Plan(placement_cfg.mode, groups, kind, available)
+    if cfg.pipeline_stages < 1:
+        raise UserError(f"placement.pipeline_stages must be at least 1 (got {cfg.pipeline_stages}).")
+    per_batch = counts["env"] * cfg.pipeline_stages
+    if num_envs % per_batch != 0:
+        raise UserError(
+            f"env.num_envs={num_envs} does not split evenly into placement.env_workers={counts['env']} x "
+            f"placement.pipeline_stages={cfg.pipeline_stages} micro-batches: make num_envs a multiple of "
+            f"{per_batch}, or change the worker or stage count."
+        )
+    _check_mode(cfg, {name: set(g.devices) for name, g in groups.items()})
+    plan = Plan(cfg.mode, groups, cluster, cfg.pipeline_stages)
+    return replace(plan, offload=_resolve_offload(cfg.offload, cluster),
+                   weight_sync=_resolve_weight_sync(cfg.weight_sync, plan))
+
+
+def _resolve_offload(choice: str, cluster: ClusterDevices) -> bool:
+    if choice not in OFFLOAD:
+        raise UserError(f"placement.offload={choice!r}: use one of {', '.join(OFFLOAD)}.")
+    return choice == "always" or (choice == "auto" and cluster.kind == "gpu")
+
+
+def _resolve_weight_sync(choice: str, plan: Plan) -> str:
+    if choice not in WEIGHT_SYNC:
+        raise UserError(f"placement.weight_sync={choice!r}: use one of {', '.join(WEIGHT_SYNC)}.")
+    if choice == "auto":
+        return "shared_memory" if plan.same_node("rollout", "actor") else "object_store"
+    if choice == "shared_memory" and not plan.same_node("rollout", "actor"):
+        raise UserError("placement.weight_sync=shared_memory needs the actor and every rollout worker on "
+                        "one node; these span several. Use weight_sync=object_store (or auto).")
+    return choice
+
+
+def _group(name: str, spec: str, count: int, cluster: ClusterDevices) -> GroupPlacement:
+    if count < 1:
+        raise UserError(f"placement.{name}_workers must be at least 1 (got {count}).")
+    devices = parse_devices(spec)
+    available = len(cluster.devices)
+    bad = [d for d in devices if d >= available or d < 0]
+    if bad:
+        raise UserError(
+            f"placement.{name}={spec!r} names {cluster.kind} device(s) {bad}, but the cluster has "
+            f"{available} {cluster.kind} device(s) (0-{available - 1}). Change placement.{name} or give "
+            f"Ray more devices (ray.num_cpus / ray.num_gpus, or more nodes)."
+        )
+    return GroupPlacement(name, count, devices, cluster.kind)
+
+
+def _check_mode(cfg, ranges: dict[str, set[int]]) -> None:
+    """Reject device overlaps the mode forbids, and sharing the mode needs but lacks."""
+    env_rollout = ranges["env"] & ranges["rollout"]
+    if cfg.mode == "colocated":
+        if not env_rollout:
+            raise UserError(
+                f"placement.mode=colocated, but env ({cfg.env}) and rollout ({cfg.rollout}) share no "
+                f"device. Colocated groups time-share devices: give them overlapping ranges, or use "
+                f"mode=hybrid (env and rollout apart, actor sharing) or mode=disaggregated."
+            )
+        if cfg.pipeline_stages != 1:
+            raise UserError(
+                f"placement.pipeline_stages={cfg.pipeline_stages} with mode=colocated: colocated env and "
+                f"rollout workers take turns on a device, so micro-batches cannot overlap. Set "
+                f"pipeline_stages=1, or put env and rollout on separate devices with mode=hybrid or "
+                f"mode=disaggregated."
+            )
+        return
+    forbidden = [("env", "rollout")]
+    if cfg.mode == "disaggregated":
+        forbidden += [("env", "actor"), ("rollout", "actor")]
+    for a, b in forbidden:
+        overlap = ranges[a] & ranges[b]
+        if overlap:
+            raise UserError(
+                f"placement.mode={cfg.mode} keeps {a} and {b} on separate devices, but "
+                f"placement.{a}={getattr(cfg, a)!r} and placement.{b}={getattr(cfg, b)!r} both use "
+                f"device(s) {sorted(overlap)}. Give them disjoint ranges, or use mode=colocated"
+                + (" (or hybrid, where the actor shares devices)." if cfg.mode == "disaggregated" else ".")
+            )
+    if cfg.mode == "hybrid" and not ranges["actor"] & (ranges["env"] | ranges["rollout"]):
+        raise UserError(
+            f"placement.mode=hybrid time-shares the actor's devices with env or rollout workers, but "
+            f"placement.actor={cfg.actor!r} shares none of theirs: overlap it with them, or use "
+            f"mode=disaggregated."
+        )

@@ -1,6 +1,6 @@
 """Worker and WorkerGroup: N Ray actors of one class; a call on the group fans out to every rank.
 
-    group = WorkerGroup(EnvWorker, placement, plan, env_cfg=...)
+    group = WorkerGroup(EnvWorker, "env", plan, env_cfg=...)
     group.call("reset", seed=1)          # -> [result of rank 0, result of rank 1, ...]
     refs = group.call_async("interact", ...)   # -> list of ObjectRefs
 """
@@ -11,41 +11,57 @@ from typing import Any
 
 import torch
 
-from scheduler.placement import GroupPlacement, Plan
+from scheduler.placement import Plan
 
 
 class Worker:
     """Base class of every worker: knows its rank, group size and device."""
 
-    def __init__(self, rank: int, world_size: int, device_kind: str = "cpu", torch_threads: int = 1):
+    def __init__(self, rank: int, world_size: int, device_kind: str = "cpu", torch_threads: int = 1,
+                 local_device: int = 0):
         self.rank = rank
         self.world_size = world_size
         torch.set_num_threads(torch_threads)
         use_cuda = device_kind == "gpu" and torch.cuda.is_available()
-        self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.device = torch.device(f"cuda:{local_device}" if use_cuda else "cpu")
 
     def ping(self) -> int:
         return self.rank
 
-
-class WorkerGroup:
-    """``placement.num_workers`` Ray actors of ``cls``, placed as the plan says."""
-
-    def __init__(self, cls: type, placement: GroupPlacement, plan: Plan, torch_threads: int = 1,
-                 per_rank_kwargs: list[dict] | None = None, **kwargs: Any):
+    def node_id(self) -> str:
         import ray
 
-        self.name = placement.name
+        return ray.get_runtime_context().get_node_id()
+
+
+class WorkerGroup:
+    """The ranks of group ``name`` of ``plan``: Ray actors of ``cls``, each pinned to its device's node."""
+
+    def __init__(self, cls: type, name: str, plan: Plan, torch_threads: int = 1,
+                 per_rank_kwargs: list[dict] | None = None, **kwargs: Any):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.name = name
+        placement = plan.groups[name]
         share = placement.share(plan)
-        resources = {"num_gpus": share} if plan.device_kind == "gpu" else {"num_cpus": share}
+        if plan.device_kind == "gpu":
+            # Ray's fractional GPUs only account; the worker picks its GPU itself (cuda:<local index>)
+            resources = {"num_gpus": share, "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}}
+        else:
+            resources = {"num_cpus": share}
         remote_cls = ray.remote(cls)
         n = placement.num_workers
         self.workers = []
         for rank in range(n):
+            device = plan.device(name, rank)
             extra = per_rank_kwargs[rank] if per_rank_kwargs else {}
-            actor = remote_cls.options(**resources, max_concurrency=4).remote(
-                rank=rank, world_size=n, device_kind=plan.device_kind,
-                torch_threads=torch_threads, **kwargs, **extra,
+            actor = remote_cls.options(
+                **resources, max_concurrency=4,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(device.node_id, soft=False),
+            ).remote(
+                rank=rank, world_size=n, device_kind=plan.device_kind, torch_threads=torch_threads,
+                local_device=device.local_index, **kwargs, **extra,
             )
             self.workers.append(actor)
         # fail here, with the worker's own error, if a constructor raised

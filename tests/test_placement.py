@@ -1,10 +1,12 @@
-"""Placement plans: device ranges, validation errors."""
+"""Placement plans: device ranges, modes, validation errors (pure logic, no Ray)."""
 
 import pytest
 
 from embodied.config import PlacementConfig
 from embodied.errors import UserError
-from scheduler.placement import make_plan, parse_devices
+from scheduler.placement import ClusterDevices, Device, make_plan, parse_devices
+
+TWO_CPUS = ClusterDevices.single_node("cpu", 2)
 
 
 def test_parse_devices():
@@ -15,20 +17,54 @@ def test_parse_devices():
 
 
 def test_plan_spreads_ranks_and_shares_devices():
-    plan = make_plan(PlacementConfig(env_workers=2, env="0-1", rollout="0", actor="1"),
-                     num_gpus=0, num_cpus=2, num_envs=8)
+    plan = make_plan(PlacementConfig(env_workers=2, env="0-1", rollout="0", actor="1"), TWO_CPUS, num_envs=8)
     env = plan.groups["env"]
     assert [env.device_of(r) for r in range(2)] == [0, 1]
     assert plan.ranks_per_device() == {0: 2, 1: 2}
     assert env.share(plan) == 0.5
+    assert plan.shares_device("env", "actor") and not plan.shares_device("rollout", "actor")
+
+
+def test_devices_are_numbered_across_nodes():
+    cluster = ClusterDevices("gpu", [Device(0, "head", 0), Device(1, "head", 1), Device(2, "b", 0), Device(3, "b", 1)])
+    plan = make_plan(PlacementConfig(mode="disaggregated", env_workers=2, env="2-3", rollout="0", actor="1",
+                                     pipeline_stages=2), cluster, num_envs=8)
+    assert [plan.device("env", r) for r in range(2)] == [Device(2, "b", 0), Device(3, "b", 1)]
+    assert plan.same_node("rollout", "actor") and not plan.same_node("env", "rollout")
+
+
+@pytest.mark.parametrize("mode, env, rollout, actor, stages", [
+    ("colocated", "0-1", "0-1", "0-1", 1),
+    ("colocated", "0-1", "0", "0", 1),
+    ("hybrid", "0", "1", "0-1", 4),
+    ("hybrid", "0", "1", "1", 2),
+    ("disaggregated", "0", "1", "2", 2),
+])
+def test_valid_modes(mode, env, rollout, actor, stages):
+    cluster = ClusterDevices.single_node("cpu", 3)
+    plan = make_plan(PlacementConfig(mode=mode, env_workers=1, env=env, rollout=rollout, actor=actor,
+                                     pipeline_stages=stages), cluster, num_envs=16)
+    assert plan.mode == mode and plan.pipeline_stages == stages
 
 
 @pytest.mark.parametrize("kwargs, num_envs, message", [
     (dict(env="0-3"), 8, "names cpu device"),
     (dict(env_workers=3), 8, "does not split evenly"),
-    (dict(mode="pipelined"), 8, "not available yet"),
+    (dict(mode="hybrid", env="0", rollout="1", actor="1", env_workers=1, pipeline_stages=3), 8,
+     "multiple of 3"),
+    (dict(mode="pipelined"), 8, "not a placement mode"),
     (dict(rollout_workers=0), 8, "at least 1"),
+    (dict(pipeline_stages=2), 8, "cannot overlap"),
+    (dict(env="0", rollout="1", actor="0", env_workers=1), 8, "share no device"),
+    (dict(mode="hybrid", env="0-1", rollout="1", actor="0", env_workers=1), 8, r"both use device\(s\) \[1\]"),
+    (dict(mode="disaggregated", env="0", rollout="1", actor="1", env_workers=1), 8, "rollout and actor"),
 ])
 def test_bad_placements_fail_with_a_fix(kwargs, num_envs, message):
     with pytest.raises(UserError, match=message):
-        make_plan(PlacementConfig(**kwargs), num_gpus=0, num_cpus=2, num_envs=num_envs)
+        make_plan(PlacementConfig(**kwargs), TWO_CPUS, num_envs=num_envs)
+
+
+def test_hybrid_needs_the_actor_to_share():
+    with pytest.raises(UserError, match="mode=disaggregated"):
+        make_plan(PlacementConfig(mode="hybrid", env="0", rollout="1", actor="2", env_workers=1),
+                  ClusterDevices.single_node("cpu", 3), num_envs=8)

@@ -5,6 +5,7 @@ import pytest
 
 import tests.test_workers as this_module
 from scheduler.channel import Channel
+from scheduler.cluster import cluster_devices
 from scheduler.placement import make_plan
 from scheduler.worker import Worker, WorkerGroup
 
@@ -29,15 +30,15 @@ class EchoWorker(Worker):
 
 
 @pytest.fixture(scope="module")
-def plan():
+def plan(ray_cluster):
     from embodied.config import PlacementConfig
 
     return make_plan(PlacementConfig(env_workers=3, env="0-1", rollout="0", actor="1"),
-                     num_gpus=0, num_cpus=2, num_envs=3)
+                     cluster_devices(), num_envs=3)
 
 
 def test_group_call_fans_out_in_rank_order(ray_cluster, plan):
-    group = WorkerGroup(EchoWorker, plan.groups["env"], plan, offset=100)
+    group = WorkerGroup(EchoWorker, "env", plan, offset=100)
     try:
         assert group.call("whoami", 1) == [(0, 3, 101), (1, 3, 102), (2, 3, 103)]
         refs = group.call_async("whoami", per_rank_args=[(10,), (20,), (30,)])
@@ -51,7 +52,7 @@ def test_group_call_fans_out_in_rank_order(ray_cluster, plan):
 def test_channel_keeps_order_per_key(ray_cluster, plan):
     import ray
 
-    group = WorkerGroup(EchoWorker, plan.groups["env"], plan, offset=0)
+    group = WorkerGroup(EchoWorker, "env", plan, offset=0)
     channel = Channel("test")
     try:
         # ranks 0 and 1 produce, rank 2 consumes both streams (interleaved puts)
@@ -66,4 +67,4 @@ def test_channel_keeps_order_per_key(ray_cluster, plan):
 
 def test_constructor_error_surfaces(ray_cluster, plan):
     with pytest.raises(Exception, match="offset"):
-        WorkerGroup(EchoWorker, plan.groups["env"], plan)  # missing the offset argument
+        WorkerGroup(EchoWorker, "env", plan)  # missing the offset argument

@@ -7,6 +7,8 @@ import torch
 from embodied.algorithms.ppo import ppo_update
 from embodied.workers.rollout_worker import merge_trajectories
 from policies.registry import make_policy
+from scheduler.offload import DeviceState
+from scheduler.weight_sync import SharedLayout, SharedWeights, plan_layout
 from scheduler.worker import Worker
 
 
@@ -20,9 +22,30 @@ class ActorWorker(Worker):
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=algorithm_cfg.lr, eps=1e-5)
         self.generator = torch.Generator().manual_seed(seed)
+        self.device_state = DeviceState(self.policy, self.optimizer)
+        self.shared: SharedWeights | None = None
 
+    # -- weights out ----------------------------------------------------------------------
     def get_weights(self) -> dict:
         return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+
+    def share_weights(self) -> SharedLayout:
+        """Create the shared buffer rollout workers on this node read weights from."""
+        self.shared = SharedWeights(plan_layout(self.policy.state_dict()))
+        return self.shared.layout
+
+    def unlink_shared_weights(self) -> None:
+        self.shared.unlink()
+
+    def publish_weights(self) -> None:
+        self.shared.write(self.policy.state_dict())
+
+    # -- context switching ----------------------------------------------------------------
+    def offload(self) -> dict:
+        return self.device_state.offload().as_dict()
+
+    def onload(self) -> dict:
+        return self.device_state.onload().as_dict()
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -1,7 +1,11 @@
 """EnvWorker: owns a slice of the env batch and trades observations for actions over a Channel.
 
-Per step it puts ``{obs, reward, terminated, truncated, success, final_obs}`` under
-key ``("obs", rank)`` and waits for actions under ``("act", rank)``.
+The slice is cut into ``stages`` micro-batches (``placement.pipeline_stages``), each
+its own VecEnv. Per step and stage ``s`` the worker waits for actions under key
+``("act", rank, s)``, steps that micro-batch and puts ``{obs, reward, terminated,
+truncated, final_obs}`` under ``("obs", rank, s)``. While it steps micro-batch ``s``
+the rollout worker is free to infer on micro-batch ``s - 1``: that is the pipeline.
+With one stage the two take turns.
 """
 
 from __future__ import annotations
@@ -17,60 +21,86 @@ from scheduler.worker import Worker
 
 
 class EnvWorker(Worker):
-    def __init__(self, env_cfg, num_envs: int, **kwargs):
+    def __init__(self, env_cfg, num_envs: int, stages: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.num_envs = num_envs
-        self.env = make_vec_env(env_cfg, num_envs=num_envs)
-        self.obs: dict[str, torch.Tensor] | None = None
+        self.stage_size = num_envs // stages
+        procs = env_cfg.num_procs and max(1, env_cfg.num_procs // stages)
+        self.envs = [make_vec_env(env_cfg, num_envs=self.stage_size, num_procs=procs) for _ in range(stages)]
+        self.obs: list[dict[str, torch.Tensor] | None] = [None] * stages
+        self.trace: list[tuple[str, float, float]] = []  # (stage name, start, end), wall clock
 
     def spec(self) -> dict:
-        return {"obs_spec": self.env.obs_spec, "action_dim": self.env.action_dim,
-                "max_episode_steps": self.env.max_episode_steps}
+        env = self.envs[0]
+        return {"obs_spec": env.obs_spec, "action_dim": env.action_dim,
+                "max_episode_steps": env.max_episode_steps}
+
+    def _reset(self, seeds: list[int], ignore_terminations: bool) -> None:
+        for s, env in enumerate(self.envs):
+            env.set_ignore_terminations(ignore_terminations)
+            self.obs[s], _ = env.reset(seed=seeds[s * self.stage_size:(s + 1) * self.stage_size])
 
     def reset(self, seed: int) -> None:
         """Reset for training; env ``i`` of this rank is seeded ``seed + rank * num_envs + i``."""
-        self.env.set_ignore_terminations(False)
-        self.obs, _ = self.env.reset(seed=seed + self.rank * self.num_envs)
+        first = seed + self.rank * self.num_envs
+        self._reset(list(range(first, first + self.num_envs)), ignore_terminations=False)
 
     def interact(self, num_steps: int, channel: Channel) -> dict:
-        """Run ``num_steps`` steps against a RolloutWorker.
+        """Run ``num_steps`` steps of every micro-batch against a RolloutWorker.
 
-        Returns ``episodes`` (rows of the episodes that finished) and this rank's time
-        spent stepping the simulator (``sim_s``) and waiting for actions (``wait_s``).
+        Returns ``episodes`` (rows of the episodes that finished; ``env`` indexes this
+        rank's slice) and this rank's time spent stepping the simulator (``sim_s``) and
+        waiting for actions (``wait_s``).
         """
-        channel.put({"obs": self.obs}, key=("obs", self.rank))
+        self.trace = []
+        for s, obs in enumerate(self.obs):
+            channel.put({"obs": obs}, key=("obs", self.rank, s))
         episodes: list[dict] = []
         sim_s = wait_s = 0.0
         for _ in range(num_steps):
-            t0 = time.perf_counter()
-            actions = channel.get(key=("act", self.rank))
-            t1 = time.perf_counter()
-            result = self.env.step(actions)
-            sim_s += time.perf_counter() - t1
-            wait_s += t1 - t0
-            done = result.done
-            episodes += episode_rows(result.info["episode"], done)
-            channel.put(
-                {
-                    "obs": result.obs,
-                    "reward": result.reward,
-                    "terminated": result.terminated,
-                    "truncated": result.truncated,
-                    "final_obs": result.info["final_obs"] if bool(done.any()) else None,
-                },
-                key=("obs", self.rank),
-            )
-            self.obs = result.obs
+            for s, env in enumerate(self.envs):
+                t0 = time.perf_counter()
+                actions = channel.get(key=("act", self.rank, s))
+                t1, start = time.perf_counter(), time.time()
+                result = env.step(actions)
+                sim_s += time.perf_counter() - t1
+                wait_s += t1 - t0
+                self.trace.append(("sim", start, time.time()))
+                for row in episode_rows(result.info["episode"], result.done):
+                    episodes.append({**row, "env": row["env"] + s * self.stage_size})
+                channel.put(_message(result), key=("obs", self.rank, s))
+                self.obs[s] = result.obs
         return {"episodes": episodes, "sim_s": sim_s, "wait_s": wait_s}
 
     def evaluate(self, seeds: list[int], channel: Channel) -> list[dict]:
         """One fixed-horizon episode per env, reset with ``seeds``; returns one row per episode."""
-        self.env.set_ignore_terminations(True)
-        self.obs, _ = self.env.reset(seed=seeds)
-        episodes = self.interact(self.env.max_episode_steps, channel)["episodes"]
+        self._reset(seeds, ignore_terminations=True)
+        episodes = self.interact(self.envs[0].max_episode_steps, channel)["episodes"]
         for row in episodes:
             row["seed"] = seeds[row["env"]]
         return episodes
 
+    def last_trace(self) -> list[tuple[str, float, float]]:
+        return self.trace
+
+    def offload(self) -> dict:
+        """CPU simulators hold no device memory; a GPU simulator pauses (PhysX cannot release
+        its buffers without rebuilding the scene), so there is nothing to move."""
+        return {"bytes_moved": 0}
+
+    def onload(self) -> dict:
+        return {"bytes_moved": 0}
+
     def close(self) -> None:
-        self.env.close()
+        for env in self.envs:
+            env.close()
+
+
+def _message(result) -> dict:
+    return {
+        "obs": result.obs,
+        "reward": result.reward,
+        "terminated": result.terminated,
+        "truncated": result.truncated,
+        "final_obs": result.info["final_obs"] if bool(result.done.any()) else None,
+    }

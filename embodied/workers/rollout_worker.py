@@ -1,17 +1,23 @@
 """RolloutWorker: runs policy inference for its env workers and assembles trajectories.
 
-It serves env ranks ``r`` with ``r % world_size == rank``. The trajectory it
-returns is time-major: ``obs[k]: [T, B, ...]``, ``actions: [T, B, A]``,
+It serves env ranks ``r`` with ``r % world_size == rank``, each cut into ``stages``
+micro-batches of ``stage_size`` envs (see EnvWorker). The trajectory it returns,
+micro-batches joined back in env order, is time-major: ``obs[k]: [T, B, ...]``, ``actions: [T, B, A]``,
 ``logprobs / values / rewards / dones: [T, B]`` and ``next_value: [B]``.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from embodied.registry import Registry
+from policies.base import set_batch_invariant
 from policies.registry import make_policy
 from scheduler.channel import Channel
+from scheduler.offload import DeviceState
+from scheduler.weight_sync import SharedLayout, SharedWeights, use_views_as_parameters
 from scheduler.worker import Worker
 
 # which finished episodes get their final observation's value added to the last reward
@@ -25,46 +31,98 @@ BOOTSTRAP_MASKS.update({
 
 class RolloutWorker(Worker):
     def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int,
-                 num_env_workers: int, seed: int, **kwargs):
+                 num_env_workers: int, envs_per_worker: int, seed: int, stages: int = 1, **kwargs):
         super().__init__(**kwargs)
-        torch.manual_seed(seed + 7919 * (self.rank + 1))  # action sampling: seeded runs repeat exactly
         self.cfg = algorithm_cfg
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device).eval()
+        # micro-batches must get the actions the whole batch would: same kernels per row ...
+        set_batch_invariant(self.policy)
+        self.device_state = DeviceState(self.policy)
         self.env_ranks = [r for r in range(num_env_workers) if r % self.world_size == self.rank]
+        self.streams = [(r, s) for r in self.env_ranks for s in range(stages)]
+        self.stage_size = envs_per_worker // stages
+        self.action_shape = (envs_per_worker, action_dim)
+        # ... and the same noise: one generator per env rank, one draw per step for its whole slice
+        self.generators = {r: torch.Generator().manual_seed(seed + 7919 * (r + 1)) for r in self.env_ranks}
+        self.shared: SharedWeights | None = None
+        self.trace: list[tuple[str, float, float]] = []
+        self.times = {"infer_s": 0.0, "wait_s": 0.0}
 
+    # -- weights and context switching ------------------------------------------------
     def set_weights(self, state_dict: dict) -> None:
         self.policy.load_state_dict(state_dict)
 
+    def attach_shared_weights(self, layout: SharedLayout) -> None:
+        self.shared = SharedWeights(layout)
+
+    def use_shared_weights(self) -> int:
+        """Sync from the actor's shared buffer; returns bytes copied (0 on CPU: in place)."""
+        return use_views_as_parameters(self.policy, self.shared.views)
+
+    def offload(self) -> dict:
+        return self.device_state.offload().as_dict()
+
+    def onload(self) -> dict:
+        return self.device_state.onload().as_dict()
+
+    # -- inference ----------------------------------------------------------------------
     def _obs(self, obs: dict) -> dict:
         return {k: v.to(self.device) for k, v in obs.items()}
 
-    def _act(self, obs: dict, deterministic: bool):
-        actions, logprob, value = self.policy.act(self._obs(obs), deterministic=deterministic)
+    def _noise(self, env_rank: int, stage: int, step_noise: dict) -> torch.Tensor:
+        if stage == 0:
+            step_noise[env_rank] = torch.randn(self.action_shape, generator=self.generators[env_rank])
+        return step_noise[env_rank][stage * self.stage_size:(stage + 1) * self.stage_size]
+
+    def _act(self, obs: dict, deterministic: bool, noise: torch.Tensor):
+        start, t0 = time.time(), time.perf_counter()
+        actions, logprob, value = self.policy.act(self._obs(obs), deterministic=deterministic, noise=noise)
+        self.times["infer_s"] += time.perf_counter() - t0
+        self.trace.append(("infer", start, time.time()))
         # the simulator's action box is [-1, 1]; the unclipped sample is what was scored
         return actions, logprob, value, actions.clamp(-1.0, 1.0).cpu()
 
+    def _get(self, channel: Channel, key: tuple) -> dict:
+        t0 = time.perf_counter()
+        msg = channel.get(key=key)
+        self.times["wait_s"] += time.perf_counter() - t0
+        return msg
+
+    def _start_timing(self) -> None:
+        self.trace = []
+        self.times = {"infer_s": 0.0, "wait_s": 0.0}
+
+    def last_trace(self) -> list[tuple[str, float, float]]:
+        return self.trace
+
+    def last_times(self) -> dict[str, float]:
+        return self.times
+
     @torch.no_grad()
     def collect(self, num_steps: int, channel: Channel) -> dict:
-        """Drive ``num_steps`` env steps on each served env rank; returns the trajectory."""
-        per_rank = [_empty_buffer() for _ in self.env_ranks]
+        """Drive ``num_steps`` env steps on each served micro-batch; returns the trajectory."""
+        self._start_timing()
+        buffers = {stream: _empty_buffer() for stream in self.streams}
         for t in range(num_steps + 1):
-            for slot, env_rank in enumerate(self.env_ranks):
-                msg = channel.get(key=("obs", env_rank))
-                buf = per_rank[slot]
+            step_noise: dict[int, torch.Tensor] = {}
+            for env_rank, stage in self.streams:
+                msg = self._get(channel, ("obs", env_rank, stage))
+                buf = buffers[env_rank, stage]
                 if t > 0:
                     buf["rewards"].append(self._bootstrapped_reward(msg))
                     buf["dones"].append(msg["terminated"] | msg["truncated"])
                 if t == num_steps:
                     buf["next_value"] = self.policy.value(self._obs(msg["obs"])).cpu()
                     continue
-                actions, logprob, value, env_actions = self._act(msg["obs"], deterministic=False)
-                channel.put(env_actions, key=("act", env_rank))
+                noise = self._noise(env_rank, stage, step_noise)
+                actions, logprob, value, env_actions = self._act(msg["obs"], False, noise)
+                channel.put(env_actions, key=("act", env_rank, stage))
                 for k, v in msg["obs"].items():
                     buf["obs"].setdefault(k, []).append(v)
                 buf["actions"].append(actions.cpu())
                 buf["logprobs"].append(logprob.cpu())
                 buf["values"].append(value.cpu())
-        return merge_trajectories([_stack(buf) for buf in per_rank])
+        return merge_trajectories([_stack(buffers[stream]) for stream in self.streams])
 
     def _bootstrapped_reward(self, msg: dict) -> torch.Tensor:
         """Where an episode ended only because the env was reset (a time limit, or with
@@ -80,11 +138,14 @@ class RolloutWorker(Worker):
     @torch.no_grad()
     def serve_eval(self, num_steps: int, channel: Channel, deterministic: bool) -> None:
         """Answer ``num_steps`` steps of evaluation episodes (no trajectory kept)."""
+        self._start_timing()
         for t in range(num_steps + 1):
-            for env_rank in self.env_ranks:
-                msg = channel.get(key=("obs", env_rank))
+            step_noise: dict[int, torch.Tensor] = {}
+            for env_rank, stage in self.streams:
+                msg = self._get(channel, ("obs", env_rank, stage))
                 if t < num_steps:
-                    channel.put(self._act(msg["obs"], deterministic)[3], key=("act", env_rank))
+                    noise = self._noise(env_rank, stage, step_noise)
+                    channel.put(self._act(msg["obs"], deterministic, noise)[3], key=("act", env_rank, stage))
 
 
 def _empty_buffer() -> dict:
