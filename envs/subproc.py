@@ -67,6 +67,8 @@ class EnvBatch:
         self.buf = buffers
         # evaluation runs fixed-length episodes: success does not end them
         self.ignore_terminations = False
+        self.seeds: list[int | None] = [None] * len(envs)  # each env's last reset() seed
+        self.episodes_since_reset = [0] * len(envs)
 
     def _write_obs(self, prefix: str, i: int, obs: dict[str, np.ndarray]) -> None:
         for key, value in obs.items():
@@ -74,7 +76,17 @@ class EnvBatch:
 
     def reset(self, seeds: list[int | None]) -> None:
         for i, (env, seed) in enumerate(zip(self.envs, seeds, strict=True)):
+            self.seeds[i], self.episodes_since_reset[i] = seed, 0
             self._write_obs("obs", i, env.reset(seed))
+
+    def _auto_reset_seed(self, i: int) -> int | None:
+        """Seed of env ``i``'s next episode, derived from its reset seed and episode count:
+        ManiSkill's unseeded resets draw fresh entropy, and seeded runs must repeat exactly."""
+        if self.seeds[i] is None:
+            return None
+        self.episodes_since_reset[i] += 1
+        state = np.random.SeedSequence([self.seeds[i], self.episodes_since_reset[i]]).generate_state(1)
+        return int(state[0] & 0x7FFFFFFF)
 
     def step(self) -> None:
         actions = self.buf["action"]
@@ -87,7 +99,7 @@ class EnvBatch:
             self.buf["success"][i] = success
             if terminated or truncated:
                 self._write_obs("final_obs", i, obs)
-                obs = env.reset(None)
+                obs = env.reset(self._auto_reset_seed(i))
             self._write_obs("obs", i, obs)
 
     def close(self) -> None:

@@ -37,10 +37,36 @@ class Linear(nn.Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class Conv2d(nn.Conv2d):
+    """``nn.Conv2d`` with the same batch-invariant option as :class:`Linear` (oneDNN picks
+    another algorithm for a batch of one). The invariant path is im2col and one
+    ``[out, in*k*k] @ [in*k*k, positions]`` product per image: same shapes for every image,
+    whatever the batch size. About 3x slower than oneDNN on CPU."""
+
+    batch_invariant: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return super().forward(x)
+        if self.groups != 1 or self.padding_mode != "zeros" or isinstance(self.padding, str):
+            raise NotImplementedError("batch-invariant Conv2d supports groups=1 and numeric zero padding")
+        b, _, h, w = x.shape
+        cols = nn.functional.unfold(x, self.kernel_size, self.dilation, self.padding, self.stride)
+        weight = self.weight.reshape(self.out_channels, -1).expand(b, -1, -1)
+        out = torch.baddbmm(self.bias[None, :, None].expand(b, -1, cols.shape[-1]), weight, cols)
+        out_h, out_w = (
+            (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
+            for size, pad, dil, k, stride in zip((h, w), self.padding, self.dilation, self.kernel_size, self.stride,
+                                                 strict=True)
+        )
+        return out.reshape(b, self.out_channels, out_h, out_w)
+
+
 def set_batch_invariant(module: nn.Module, enabled: bool = True) -> None:
-    """Switch every :class:`Linear` in ``module`` to (or from) the batch-invariant path."""
+    """Switch every :class:`Linear` and :class:`Conv2d` in ``module`` to (or from) the
+    batch-invariant path."""
     for layer in module.modules():
-        if isinstance(layer, Linear):
+        if isinstance(layer, (Linear, Conv2d)):
             layer.batch_invariant = enabled
 
 

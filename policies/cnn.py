@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from policies.base import GaussianActorCritic, Linear, layer_init, mlp
+from policies.base import Conv2d, GaussianActorCritic, Linear, layer_init, mlp
 from policies.registry import POLICIES
 
 
@@ -18,7 +18,7 @@ class ConvEncoder(nn.Module):
         layers: list[nn.Module] = []
         prev = in_channels
         for ch, k, s in zip(channels, kernels, strides, strict=False):
-            layers += [layer_init(nn.Conv2d(prev, ch, k, s)), nn.ReLU()]
+            layers += [layer_init(Conv2d(prev, ch, k, s)), nn.ReLU()]
             prev = ch
         self.convs = nn.Sequential(*layers, nn.Flatten())
         with torch.no_grad():

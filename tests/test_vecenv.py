@@ -74,6 +74,30 @@ def test_same_seed_same_trajectory_in_process_and_subprocesses(env_cfg, procs_en
         local.close()
 
 
+def test_auto_reset_episodes_are_seeded_and_split_independent():
+    """Episodes after an auto-reset repeat exactly, whether the batch is one VecEnv or two halves
+    (pipeline micro-batches) seeded with the same per-env seeds."""
+    cfg = small_config("env.max_episode_steps=3").env
+
+    def run(splits: int) -> torch.Tensor:
+        size = 4 // splits
+        envs = [make_vec_env(cfg, num_envs=size, num_procs=0) for _ in range(splits)]
+        try:
+            trace = [torch.cat([e.reset(seed=[20 + s * size + i for i in range(size)])[0]["state"]
+                                for s, e in enumerate(envs)])]
+            for _ in range(7):  # two auto-resets
+                trace.append(torch.cat([e.step(torch.zeros(size, e.action_dim)).obs["state"] for e in envs]))
+            return torch.stack(trace)
+        finally:
+            for e in envs:
+                e.close()
+
+    whole = run(1)
+    assert not torch.equal(whole[3], whole[0])  # a new initial state after the first auto-reset
+    torch.testing.assert_close(run(2), whole, rtol=0, atol=0)
+    torch.testing.assert_close(run(1), whole, rtol=0, atol=0)
+
+
 def test_per_env_seed_list(procs_env):
     a, _ = procs_env.reset(seed=[5, 6, 7, 8])
     b, _ = procs_env.reset(seed=5)
