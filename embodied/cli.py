@@ -1,4 +1,4 @@
-"""``embodied``: train | eval | record | check-render | setup-render.
+"""``embodied``: train | eval | record | bench | check-render | setup-render.
 
 Arguments after the subcommand are Hydra overrides, e.g.
 ``embodied train env=maniskill_pickcube algorithm.lr=3e-4``.
@@ -196,6 +196,23 @@ def cmd_setup_render() -> int:
     return 0 if works else 1
 
 
+def cmd_bench(overrides: list[str], as_json: bool, iterations: int) -> int:
+    """``embodied bench <name> [overrides]``: print the table (or JSON); files go to bench/<name>-<time>/."""
+    import importlib
+    import json
+
+    from embodied.bench import BENCHES
+
+    if not overrides:
+        raise UserError(f"embodied bench needs a benchmark name: one of {', '.join(BENCHES)}.")
+    name, rest = overrides[0], overrides[1:]
+    bench = importlib.import_module(BENCHES.get(name))
+    out_dir = Path("bench") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    summary = bench.run(rest, iterations=iterations, out_dir=out_dir)  # progress goes to stderr
+    print(json.dumps(summary, indent=2) if as_json else bench.markdown(summary) + f"\nfiles: {out_dir.resolve()}")
+    return 0
+
+
 def _explain(err: BaseException) -> tuple[str, int] | None:
     """A user-facing (message, exit code) for errors we know how to explain."""
     from envs.subproc import EnvCrashedError
@@ -218,20 +235,23 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     parser = argparse.ArgumentParser(prog="embodied", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["train", "eval", "record", "check-render", "setup-render"])
     parser.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", action="store_true", help="bench: print the results as JSON")
+    parser.add_argument("--iterations", type=int, default=3, help="bench: measured iterations per mode")
+    parser.add_argument("command", choices=["train", "eval", "record", "bench", "check-render", "setup-render"])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
+                        "(bench: the benchmark name first, e.g. `embodied bench pipeline`)")
+    args = parser.parse_intermixed_args(argv)
+    commands = {
+        "train": lambda: cmd_train(args.overrides, print_cfg=args.cfg == "job"),
+        "eval": lambda: cmd_eval(args.overrides),
+        "record": lambda: cmd_record(args.overrides),
+        "bench": lambda: cmd_bench(args.overrides, args.json, args.iterations),
+        "check-render": cmd_check_render,
+        "setup-render": cmd_setup_render,
+    }
     try:
-        if args.command == "train":
-            return cmd_train(args.overrides, print_cfg=args.cfg == "job")
-        if args.command == "eval":
-            return cmd_eval(args.overrides)
-        if args.command == "record":
-            return cmd_record(args.overrides)
-        if args.command == "check-render":
-            return cmd_check_render()
-        return cmd_setup_render()
+        return commands[args.command]()
     except Exception as err:
         explained = _explain(err)
         if explained is None:

@@ -91,6 +91,9 @@ class PlacementConfig:
     # actor -> rollout weights: "auto" (shared_memory when on one node, else object_store),
     # "shared_memory" (in place through /dev/shm) or "object_store" (Ray, across nodes)
     weight_sync: str = "auto"
+    # pin each worker to the core of its CPU slot (CPU clusters): a group then really has only
+    # its devices, as on GPUs. Off by default: unpinned workers borrow idle cores
+    pin_cpus: bool = False
     torch_threads: int = 1  # intra-op threads per worker (2 cores: keep 1)
     actor_threads: int = 2  # intra-op threads of the actor while it updates (the sims are idle then)
 

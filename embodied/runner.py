@@ -25,7 +25,7 @@ from envs.subproc import EnvCrashedError
 from policies.registry import check_policy_name
 from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices, start_cluster
-from scheduler.placement import PHASES, Plan, make_plan
+from scheduler.placement import PHASES, Plan, check_placement, make_plan
 from scheduler.worker import WorkerGroup
 
 VALIDATION_SEED_OFFSET = 10_000_000  # periodic evals use eval.seed + this + k
@@ -95,6 +95,7 @@ class Workers:
         for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
                                (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap)):
             registry.get(name)
+        check_placement(cfg.placement, cfg.env.num_envs)
         start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         self.plan = plan = make_plan(cfg.placement, cluster_devices(), num_envs=cfg.env.num_envs)
         threads, stages = cfg.placement.torch_threads, plan.pipeline_stages

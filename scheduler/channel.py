@@ -1,7 +1,9 @@
 """Channel: a FIFO between worker groups, keyed so micro-batches route to the right peer.
 
 Items one process puts under a key come out of ``get(key)`` in the order it put
-them. ``put`` does not wait; ``get`` blocks until an item is there.
+them. ``put`` does not wait; ``get`` blocks until an item is there. Items travel
+through Ray's object store; the channel actor only queues their references, so it
+costs next to no CPU however large the items (camera images) are.
 
 Ray does not promise to run one caller's calls to a concurrent (async) actor in
 submission order, so every put carries its producer's id and a sequence number,
@@ -55,15 +57,19 @@ class Channel:
         self._store = ray.remote(_ChannelStore).options(num_cpus=0, max_concurrency=1024).remote()
 
     def put(self, item: Any, key: Any = "default") -> None:
+        import ray
+
         stream = (self.id, key)
         seq = _NEXT_SEQ[stream]
         _NEXT_SEQ[stream] = seq + 1
-        self._store.put.remote(key, item, _PRODUCER, seq)
+        # a reference inside a list is passed as is (Ray resolves only top-level arguments)
+        self._store.put.remote(key, [ray.put(item)], _PRODUCER, seq)
 
     def get(self, key: Any = "default", timeout: float | None = None) -> Any:
         import ray
 
-        return ray.get(self._store.get.remote(key), timeout=timeout)
+        (ref,) = ray.get(self._store.get.remote(key), timeout=timeout)
+        return ray.get(ref, timeout=timeout)
 
     def qsize(self, key: Any = "default") -> int:
         import ray

@@ -94,6 +94,7 @@ class Plan:
     pipeline_stages: int = 1
     offload: bool = False  # offload groups that share a device with the running phase
     weight_sync: str = "object_store"
+    pin_cpus: bool = False  # pin CPU workers to their slot's core
 
     @property
     def device_kind(self) -> str:
@@ -123,7 +124,7 @@ class Plan:
         parts = [f"{name} x{g.num_workers} on {_ranges(sorted(g.used_devices()))}" for name, g in self.groups.items()]
         return (f"{self.mode} ({self.cluster.kind}): " + ", ".join(parts)
                 + f"; {self.pipeline_stages} stage(s); weight sync {self.weight_sync}"
-                + ("; offload" if self.offload else ""))
+                + ("; offload" if self.offload else "") + ("; pinned to cores" if self.pin_cpus else ""))
 
 
 def _ranges(devices: list[int]) -> str:
@@ -151,7 +152,15 @@ def make_plan(placement_cfg, cluster: ClusterDevices, num_envs: int) -> Plan:
     _check_mode(cfg, {name: set(g.devices) for name, g in groups.items()})
     plan = Plan(cfg.mode, groups, cluster, cfg.pipeline_stages)
     return replace(plan, offload=_resolve_offload(cfg.offload, cluster),
-                   weight_sync=_resolve_weight_sync(cfg.weight_sync, plan))
+                   weight_sync=_resolve_weight_sync(cfg.weight_sync, plan),
+                   pin_cpus=cfg.pin_cpus and cluster.kind == "cpu")
+
+
+def check_placement(placement_cfg, num_envs: int) -> None:
+    """Every check of :func:`make_plan` that needs no cluster (modes, overlaps, counts, stages),
+    so that a bad placement fails before Ray starts."""
+    highest = max(max(parse_devices(getattr(placement_cfg, name))) for name in GROUPS)
+    make_plan(placement_cfg, ClusterDevices.single_node("cpu", max(highest, 0) + 1), num_envs)
 
 
 def _resolve_offload(choice: str, cluster: ClusterDevices) -> bool:

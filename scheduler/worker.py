@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -18,9 +19,11 @@ class Worker:
     """Base class of every worker: knows its rank, group size and device."""
 
     def __init__(self, rank: int, world_size: int, device_kind: str = "cpu", torch_threads: int = 1,
-                 local_device: int = 0):
+                 local_device: int = 0, pin_cpu: bool = False):
         self.rank = rank
         self.world_size = world_size
+        if pin_cpu:
+            pin_to_core(local_device)
         torch.set_num_threads(torch_threads)
         use_cuda = device_kind == "gpu" and torch.cuda.is_available()
         self.device = torch.device(f"cuda:{local_device}" if use_cuda else "cpu")
@@ -32,6 +35,15 @@ class Worker:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+
+def pin_to_core(slot: int) -> int:
+    """Run this process, and the threads and processes it starts from now on, on one core:
+    CPU slot ``slot`` of this node. Returns the core."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[slot % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
 
 
 class WorkerGroup:
@@ -61,7 +73,7 @@ class WorkerGroup:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(device.node_id, soft=False),
             ).remote(
                 rank=rank, world_size=n, device_kind=plan.device_kind, torch_threads=torch_threads,
-                local_device=device.local_index, **kwargs, **extra,
+                local_device=device.local_index, pin_cpu=plan.pin_cpus, **kwargs, **extra,
             )
             self.workers.append(actor)
         # fail here, with the worker's own error, if a constructor raised

@@ -38,16 +38,19 @@ def ray_cluster(tmp_path_factory):
     stop_cluster()
 
 
+SMALL_OVERRIDES = [
+    "env.num_envs=4", "placement.env_workers=2", "algorithm.rollout_steps=10",
+    "algorithm.update_epochs=2", "algorithm.num_minibatches=2", "runner.total_env_steps=80",
+    "runner.max_minutes=null", "runner.eval_every=0", "runner.checkpoint_every=1",
+    "runner.progress=false", "eval.episodes=4", "eval.video_episodes=0",
+]
+
+
 def small_config(*overrides: str):
     """The default config, shrunk for tests (few envs, short rollouts)."""
     from embodied.config import compose
 
-    return compose([
-        "env.num_envs=4", "placement.env_workers=2", "algorithm.rollout_steps=10",
-        "algorithm.update_epochs=2", "algorithm.num_minibatches=2", "runner.total_env_steps=80",
-        "runner.max_minutes=null", "runner.eval_every=0", "runner.checkpoint_every=1",
-        "runner.progress=false", "eval.episodes=4", "eval.video_episodes=0", *overrides,
-    ])
+    return compose([*SMALL_OVERRIDES, *overrides])
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -17,6 +17,16 @@ CASES = {
     "missing checkpoint": (["eval", "checkpoint=/nonexistent/run"], ["/nonexistent/run", "checkpoint="]),
     "eval without checkpoint": (["eval"], ["checkpoint="]),
     "bad resume dir": (["train", "resume=/nonexistent/run"], ["resume", "config.yaml"]),
+    "placement: more devices than exist": (["train", "placement.env=0-7"], ["placement.env", "ray.num_cpus"]),
+    "placement: overlap hybrid forbids": (
+        ["train", "placement.mode=hybrid", "placement.env=0", "placement.rollout=0"],
+        ["both use device(s) [0]", "disjoint ranges"]),
+    "placement: stages do not divide envs": (
+        ["train", "placement.mode=hybrid", "placement.env=0", "placement.rollout=1", "placement.pipeline_stages=3"],
+        ["pipeline_stages=3", "multiple of 6"]),
+    "placement: stages while colocated": (["train", "placement.pipeline_stages=2"], ["mode=hybrid"]),
+    "placement: unknown mode": (["train", "placement.mode=pipelined"], ["disaggregated"]),
+    "unknown benchmark": (["bench", "pipelin"], ["pipeline"]),
 }
 
 

@@ -49,28 +49,29 @@ class EnvWorker(Worker):
         """Run ``num_steps`` steps of every micro-batch against a RolloutWorker.
 
         Returns ``episodes`` (rows of the episodes that finished; ``env`` indexes this
-        rank's slice) and this rank's time spent stepping the simulator (``sim_s``) and
-        waiting for actions (``wait_s``).
+        rank's slice) and this rank's time busy stepping the simulator and sending the
+        results (``sim_s``) and waiting for actions (``wait_s``).
         """
         self.trace = []
+        started = time.perf_counter()
         for s, obs in enumerate(self.obs):
             channel.put({"obs": obs}, key=("obs", self.rank, s))
         episodes: list[dict] = []
-        sim_s = wait_s = 0.0
+        wait_s = 0.0
         for _ in range(num_steps):
             for s, env in enumerate(self.envs):
                 t0 = time.perf_counter()
                 actions = channel.get(key=("act", self.rank, s))
                 t1, start = time.perf_counter(), time.time()
                 result = env.step(actions)
-                sim_s += time.perf_counter() - t1
-                wait_s += t1 - t0
-                self.trace.append(("sim", start, time.time()))
                 for row in episode_rows(result.info["episode"], result.done):
                     episodes.append({**row, "env": row["env"] + s * self.stage_size})
                 channel.put(_message(result), key=("obs", self.rank, s))
                 self.obs[s] = result.obs
-        return {"episodes": episodes, "sim_s": sim_s, "wait_s": wait_s}
+                wait_s += t1 - t0
+                self.trace.append(("sim", start, time.time()))
+        busy_s = time.perf_counter() - started - wait_s
+        return {"episodes": episodes, "sim_s": busy_s, "wait_s": wait_s}
 
     def evaluate(self, seeds: list[int], channel: Channel) -> list[dict]:
         """One fixed-horizon episode per env, reset with ``seeds``; returns one row per episode."""

@@ -45,8 +45,7 @@ class RolloutWorker(Worker):
         # ... and the same noise: one generator per env rank, one draw per step for its whole slice
         self.generators = {r: torch.Generator().manual_seed(seed + 7919 * (r + 1)) for r in self.env_ranks}
         self.shared: SharedWeights | None = None
-        self.trace: list[tuple[str, float, float]] = []
-        self.times = {"infer_s": 0.0, "wait_s": 0.0}
+        self._start_timing()
 
     # -- weights and context switching ------------------------------------------------
     def set_weights(self, state_dict: dict) -> None:
@@ -75,22 +74,33 @@ class RolloutWorker(Worker):
         return step_noise[env_rank][stage * self.stage_size:(stage + 1) * self.stage_size]
 
     def _act(self, obs: dict, deterministic: bool, noise: torch.Tensor):
-        start, t0 = time.time(), time.perf_counter()
         actions, logprob, value = self.policy.act(self._obs(obs), deterministic=deterministic, noise=noise)
-        self.times["infer_s"] += time.perf_counter() - t0
-        self.trace.append(("infer", start, time.time()))
         # the simulator's action box is [-1, 1]; the unclipped sample is what was scored
         return actions, logprob, value, actions.clamp(-1.0, 1.0).cpu()
 
     def _get(self, channel: Channel, key: tuple) -> dict:
+        """Wait for a micro-batch; the time until the next ``_get`` counts as busy (``infer``)."""
         t0 = time.perf_counter()
+        self._end_busy()
         msg = channel.get(key=key)
         self.times["wait_s"] += time.perf_counter() - t0
+        self._busy_since = time.time()
         return msg
+
+    def _end_busy(self) -> None:
+        if self._busy_since is not None:
+            self.trace.append(("infer", self._busy_since, time.time()))
+            self._busy_since = None
 
     def _start_timing(self) -> None:
         self.trace = []
         self.times = {"infer_s": 0.0, "wait_s": 0.0}
+        self._busy_since: float | None = None
+        self._started = time.perf_counter()
+
+    def _stop_timing(self) -> None:
+        self._end_busy()
+        self.times["infer_s"] = time.perf_counter() - self._started - self.times["wait_s"]
 
     def last_trace(self) -> list[tuple[str, float, float]]:
         return self.trace
@@ -122,6 +132,7 @@ class RolloutWorker(Worker):
                 buf["actions"].append(actions.cpu())
                 buf["logprobs"].append(logprob.cpu())
                 buf["values"].append(value.cpu())
+        self._stop_timing()
         return merge_trajectories([_stack(buffers[stream]) for stream in self.streams])
 
     def _bootstrapped_reward(self, msg: dict) -> torch.Tensor:
@@ -146,6 +157,7 @@ class RolloutWorker(Worker):
                 if t < num_steps:
                     noise = self._noise(env_rank, stage, step_noise)
                     channel.put(self._act(msg["obs"], deterministic, noise)[3], key=("act", env_rank, stage))
+        self._stop_timing()
 
 
 def _empty_buffer() -> dict:
