@@ -95,7 +95,7 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
         summary = trainer.train()
         table = write_eval(run_dir, summary)
         policy = _policy_from_state(cfg, trainer.workers.obs_spec, trainer.workers.action_dim,
-                                    trainer.workers.actor.call("get_weights")[0])
+                                    trainer.workers.actor_state()["policy"])
     finally:
         trainer.close()
     if cfg.eval.video_episodes:

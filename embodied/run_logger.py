@@ -23,6 +23,11 @@ class RunLogger:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def note(self, tag: str, text: str) -> None:
+        """A line on stderr (above the bar) and a TensorBoard text entry."""
+        self.bar.write(f"{tag}: {text}", file=sys.stderr)
+        self.writer.add_text(tag, text)
+
     def advance(self, steps: int, success: float | None = None) -> None:
         if success is not None:
             self.bar.set_postfix(success_once=f"{success:.2f}", refresh=False)

@@ -241,6 +241,7 @@ class Trainer:
         self.steps_per_iteration = cfg.algorithm.rollout_steps * cfg.env.num_envs
         self.total_iterations = math.ceil(cfg.runner.total_env_steps / self.steps_per_iteration)
         self.log = RunLogger(run_dir, cfg.runner.total_env_steps, self.progress.env_steps, cfg.runner.progress)
+        self.log.note("placement", self.workers.plan.describe())
 
     # -- checkpoints ------------------------------------------------------------
     def save(self) -> Path:
