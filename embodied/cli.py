@@ -150,7 +150,7 @@ def cmd_eval(overrides: list[str]) -> int:
     t0 = time.perf_counter()
     workers = Workers(cfg)
     try:
-        workers.actor.call("load_state", state["actor"], weights_only=True)
+        workers.load_actor_state(state["actor"], weights_only=True)
         rows = workers.evaluate(cfg.eval.episodes, cfg.eval.seed, cfg.eval.deterministic)
     finally:
         workers.shutdown()

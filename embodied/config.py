@@ -89,7 +89,8 @@ class PlacementConfig:
     # "auto" (on GPUs only: CPU slots share one host memory), "always" or "never"
     offload: str = "auto"
     # actor -> rollout weights: "auto" (shared_memory when on one node, else object_store),
-    # "shared_memory" (in place through /dev/shm) or "object_store" (Ray, across nodes)
+    # "shared_memory" (in place through /dev/shm), "object_store" (Ray, across nodes) or
+    # "broadcast" (one torch.distributed collective: NCCL between GPUs, gloo on CPU)
     weight_sync: str = "auto"
     # pin each worker to the core of its CPU slot (CPU clusters): a group then really has only
     # its devices, as on GPUs. Off by default: unpinned workers borrow idle cores

@@ -25,7 +25,8 @@ from envs.subproc import EnvCrashedError
 from policies.registry import check_policy_name
 from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices, start_cluster
-from scheduler.placement import PHASES, Plan, check_placement, make_plan
+from scheduler.context_switch import ContextSwitcher
+from scheduler.placement import check_placement, make_plan
 from scheduler.worker import WorkerGroup
 
 VALIDATION_SEED_OFFSET = 10_000_000  # periodic evals use eval.seed + this + k
@@ -39,48 +40,6 @@ class Progress:
     env_steps: int = 0
     train_seconds: float = 0.0  # wall-clock of the training loop (evals and checkpoints included)
     solved_at_seconds: float | None = None  # first periodic eval with success_once >= 0.9
-
-
-class ContextSwitcher:
-    """The device lock of groups that share devices: one phase holds them at a time.
-
-    Phases (``scheduler.placement.PHASES``): ``generate`` (env + rollout workers) and
-    ``train`` (the actor). Before a phase runs, the other phase's groups that share a
-    device with it offload (when the plan offloads at all) and its own groups onload.
-    Only the driver calls :meth:`turn`, so turns never interleave.
-    """
-
-    def __init__(self, plan: Plan, groups: dict[str, WorkerGroup]):
-        self.plan = plan
-        self.groups = groups
-        self.resident = set(groups)
-
-    def turn(self, phase: str) -> dict[str, float]:
-        """Give the devices to ``phase``; returns switch time and bytes moved off devices."""
-        import ray
-
-        if not self.plan.offload:
-            return {}
-        t0 = time.perf_counter()
-        runs = PHASES[phase]
-        leaving = sorted(g for g in self.resident - set(runs)
-                         if any(self.plan.shares_device(g, r) for r in runs))
-        reports = ray.get([ref for g in leaving for ref in self.groups[g].call_async("offload")])
-        self.resident -= set(leaving)
-        t1 = time.perf_counter()
-        arriving = [g for g in runs if g not in self.resident]
-        ray.get([ref for g in arriving for ref in self.groups[g].call_async("onload")])
-        self.resident |= set(arriving)
-        return {"offload_s": t1 - t0, "onload_s": time.perf_counter() - t1,
-                "offloaded_mib": sum(r["bytes_moved"] for r in reports) / 2**20,
-                **_device_freed(reports)}
-
-
-def _device_freed(reports: list[dict]) -> dict[str, float]:
-    """Device memory released by offloads (GPU only: CPU workers report none)."""
-    freed = [r["device_bytes_before"] - r["device_bytes_after"] for r in reports
-             if r.get("device_bytes_before") is not None]
-    return {"device_freed_mib": sum(freed) / 2**20} if freed else {}
 
 
 class Workers:
@@ -114,20 +73,33 @@ class Workers:
                                  update_threads=cfg.placement.actor_threads, **common)
         self.channel = Channel("env<->rollout")
         self.switcher = ContextSwitcher(plan, {"env": self.env, "rollout": self.rollout, "actor": self.actor})
-        if plan.weight_sync == "shared_memory":
-            layout = self.actor.call("share_weights")[0]
-            self.rollout.call("attach_shared_weights", layout)
-            self.actor.call("unlink_shared_weights")  # every mapping is made: nothing left to clean up
+        self._setup_weight_sync()
         self._weights_ref = None
         self._weights_stale = True  # the actor has weights the rollout workers have not got
 
     # -- weight sync and turns ------------------------------------------------------------
+    def _setup_weight_sync(self) -> None:
+        import ray
+
+        if self.plan.weight_sync == "shared_memory":
+            layout = self.actor.call("share_weights")[0]
+            self.rollout.call("attach_shared_weights", layout)
+            self.actor.call("unlink_shared_weights")  # every mapping is made: nothing left to clean up
+        elif self.plan.weight_sync == "broadcast":
+            address = self.actor.call("open_broadcast_group")[0]
+            world = 1 + len(self.rollout)
+            ray.get(self.actor.call_async("join_broadcast_group", address, world)
+                    + self.rollout.call_async("join_broadcast_group", address, world))
+
     def _publish_weights(self) -> None:
-        """Actor side of a weight sync: to the shared buffer, or into the object store."""
+        """Actor side of a weight sync: to the shared buffer, into the object store, or the
+        whole broadcast (actor and rollout workers are both resident: see make_plan)."""
         import ray
 
         if self.plan.weight_sync == "shared_memory":
             self.actor.call("publish_weights")
+        elif self.plan.weight_sync == "broadcast":
+            ray.get(self.actor.call_async("broadcast_weights") + self.rollout.call_async("receive_broadcast"))
         else:
             self._weights_ref = self.actor.workers[0].get_weights.remote()
             ray.wait([self._weights_ref])  # read before the actor may be offloaded
@@ -135,7 +107,7 @@ class Workers:
     def _receive_weights(self) -> None:
         if self.plan.weight_sync == "shared_memory":
             self.rollout.call("use_shared_weights")
-        else:
+        elif self.plan.weight_sync == "object_store":
             self.rollout.call("set_weights", self._weights_ref)
 
     def load_actor_state(self, state: dict, weights_only: bool = False) -> None:

@@ -26,7 +26,7 @@ from embodied.errors import UserError
 GROUPS = ("env", "rollout", "actor")
 MODES = ("colocated", "disaggregated", "hybrid")
 OFFLOAD = ("auto", "always", "never")
-WEIGHT_SYNC = ("auto", "shared_memory", "object_store")
+WEIGHT_SYNC = ("auto", "shared_memory", "object_store", "broadcast")
 PHASES = {"generate": ("env", "rollout"), "train": ("actor",)}  # groups that run together
 
 
@@ -150,10 +150,9 @@ def make_plan(placement_cfg, cluster: ClusterDevices, num_envs: int) -> Plan:
             f"{per_batch}, or change the worker or stage count."
         )
     _check_mode(cfg, {name: set(g.devices) for name, g in groups.items()})
-    plan = Plan(cfg.mode, groups, cluster, cfg.pipeline_stages)
-    return replace(plan, offload=_resolve_offload(cfg.offload, cluster),
-                   weight_sync=_resolve_weight_sync(cfg.weight_sync, plan),
-                   pin_cpus=cfg.pin_cpus and cluster.kind == "cpu")
+    plan = Plan(cfg.mode, groups, cluster, cfg.pipeline_stages, offload=_resolve_offload(cfg.offload, cluster),
+                pin_cpus=cfg.pin_cpus and cluster.kind == "cpu")
+    return replace(plan, weight_sync=_resolve_weight_sync(cfg.weight_sync, plan))
 
 
 def check_placement(placement_cfg, num_envs: int) -> None:
@@ -177,6 +176,10 @@ def _resolve_weight_sync(choice: str, plan: Plan) -> str:
     if choice == "shared_memory" and not plan.same_node("rollout", "actor"):
         raise UserError("placement.weight_sync=shared_memory needs the actor and every rollout worker on "
                         "one node; these span several. Use weight_sync=object_store (or auto).")
+    if choice == "broadcast" and plan.offload and plan.shares_device("rollout", "actor"):
+        raise UserError("placement.weight_sync=broadcast needs actor and rollout workers on their devices at "
+                        "the same time, but they share a device and take turns (offload is on). Use "
+                        "weight_sync=shared_memory (or auto), or put them on separate devices.")
     return choice
 
 

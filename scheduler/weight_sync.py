@@ -1,23 +1,26 @@
 """Weight sync from the actor to rollout workers.
 
-Two ways, chosen by ``placement.weight_sync`` (``auto`` picks the first when actor and
-rollout workers share a node):
+Three ways, chosen by ``placement.weight_sync`` (``auto``: ``shared_memory`` when actor
+and rollout workers share a node, else ``object_store``):
 
 - ``shared_memory``: the actor copies its weights into one flat buffer in
   ``/dev/shm``; rollout workers on CPU use views of that buffer as their parameters
   (in place: nothing to copy on their side), rollout workers on a GPU copy from it.
 - ``object_store``: the actor's weights go through Ray's object store (any node).
+- ``broadcast``: one collective broadcast from the actor (rank 0) to every rollout
+  worker over torch.distributed (NCCL between GPUs, gloo on CPU), any node: the
+  fast path between split GPUs.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from dataclasses import dataclass
 
 import torch
 
-WEIGHT_SYNC_METHODS = ("auto", "shared_memory", "object_store")
 _ALIGN = 64  # bytes: every tensor starts on a cache line
 
 
@@ -83,3 +86,44 @@ def use_views_as_parameters(module: torch.nn.Module, views: dict[str, torch.Tens
 def _named_tensors(module: torch.nn.Module):
     yield from module.named_parameters()
     yield from ((n, b) for n, b in module.named_buffers() if b is not None)
+
+
+# -- collective broadcast ----------------------------------------------------------------
+def broadcast_address() -> str:
+    """``ip:port`` on this node for rank 0 of a broadcast group to listen on."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+def join_broadcast_group(address: str, rank: int, world_size: int, device: torch.device) -> None:
+    """Join the group rank 0 opened at ``address`` (every member must call this at once)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size)
+
+
+def broadcast_module(module: torch.nn.Module, src: int = 0) -> int:
+    """Send (on ``src``) or receive (elsewhere) ``module``'s parameters and buffers in one
+    collective over a flat byte buffer. Returns the bytes broadcast."""
+    import torch.distributed as dist
+
+    tensors = [t for _, t in _named_tensors(module)]
+    device = tensors[0].device
+    with torch.no_grad():
+        if dist.get_rank() == src:
+            flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors])
+        else:
+            flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=src)
+        if dist.get_rank() != src:
+            offset = 0
+            for t in tensors:
+                size = t.numel() * t.element_size()
+                t.view(-1).view(torch.uint8).copy_(flat[offset:offset + size])
+                offset += size
+    return flat.numel()

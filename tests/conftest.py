@@ -58,3 +58,20 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subpro
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, "-m", "embodied.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd or REPO, env=env)
+
+
+def assert_identical(a, b, path: str = "value") -> None:
+    """Nested dicts / lists / tensors equal bit for bit (same dtype and device); names the first difference."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_identical(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_identical(x, y, f"{path}[{i}]")
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and a.device == b.device, path
+        assert torch.equal(a, b), f"{path} differs (max diff {(a.double() - b.double()).abs().max()})"
+    else:
+        assert a == b, path

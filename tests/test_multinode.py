@@ -90,7 +90,10 @@ def _probe(address: str, run_dir: Path, *overrides: str) -> dict:
     # env and rollout on the second node, the actor on the head: weights cross nodes
     (["placement.mode=colocated", "placement.env=1", "placement.rollout=1", "placement.actor=0"],
      {"env": ["node_b"], "rollout": ["node_b"], "actor": ["node_a"]}, "object_store"),
-], ids=["env-on-node-b", "actor-on-head-only"])
+    (["placement.mode=colocated", "placement.env=1", "placement.rollout=1", "placement.actor=0",
+      "placement.weight_sync=broadcast"],
+     {"env": ["node_b"], "rollout": ["node_b"], "actor": ["node_a"]}, "broadcast"),
+], ids=["env-on-node-b", "actor-on-head-only", "broadcast-across-nodes"])
 def test_groups_run_on_the_nodes_placement_names(two_nodes, tmp_path, overrides, expected, weight_sync):
     out = _probe(two_nodes, tmp_path, "placement.env_workers=1", *overrides)
     assert out["groups"] == expected

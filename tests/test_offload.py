@@ -8,6 +8,7 @@ import torch
 from embodied.config import PolicyConfig
 from policies.registry import make_policy
 from scheduler.offload import DeviceState
+from tests.conftest import assert_identical
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -37,21 +38,6 @@ def _snapshot(policy, optimizer) -> dict:
             "optimizer": copy.deepcopy(optimizer.state_dict())}
 
 
-def _assert_identical(a, b):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_identical(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_identical(x, y)
-    elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-    else:
-        assert a == b
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_round_trip_is_bit_exact_and_frees_state(device):
     policy, optimizer = _trained_policy(device)
@@ -63,7 +49,7 @@ def test_round_trip_is_bit_exact_and_frees_state(device):
     assert state.resident_bytes() == 0  # parameters, grads and Adam moments all gone
     assert all(p.numel() == 0 and p.grad is None for p in policy.parameters())
     state.onload()
-    _assert_identical(_snapshot(policy, optimizer), before)
+    assert_identical(_snapshot(policy, optimizer), before)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -77,7 +63,7 @@ def test_training_continues_identically_after_a_round_trip(device):
     for seed in (1, 2):
         _adam_step(policy_a, opt_a, seed)
         _adam_step(policy_b, opt_b, seed)
-    _assert_identical(_snapshot(policy_b, opt_b), _snapshot(policy_a, opt_a))
+    assert_identical(_snapshot(policy_b, opt_b), _snapshot(policy_a, opt_a))
 
 
 @pytest.mark.gpu

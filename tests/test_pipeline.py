@@ -2,11 +2,10 @@
 change when things run, never what is computed."""
 
 import pytest
-import torch
 
 from embodied.runner import Workers
 from embodied.workers.rollout_worker import merge_trajectories
-from tests.conftest import small_config
+from tests.conftest import assert_identical, small_config
 
 SERIAL = ["placement.mode=colocated", "placement.env=0-1", "placement.rollout=0", "placement.actor=0"]
 HYBRID = ["placement.mode=hybrid", "placement.env=0", "placement.rollout=1", "placement.actor=0-1"]
@@ -35,21 +34,6 @@ def _train(overrides: list[str], iterations: int = 2) -> dict:
         workers.shutdown()
 
 
-def _assert_identical(a, b, path="run"):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_identical(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_identical(x, y, f"{path}[{i}]")
-    elif torch.is_tensor(a):
-        assert torch.equal(a, b), f"{path} differs (max diff {(a.float() - b.float()).abs().max()})"
-    else:
-        assert a == b, path
-
-
 @pytest.fixture(scope="module")
 def serial_run(ray_cluster):
     return _train(SERIAL)
@@ -57,12 +41,12 @@ def serial_run(ray_cluster):
 
 @pytest.mark.parametrize("overrides", [
     [*HYBRID, "placement.pipeline_stages=2"],
-    [*HYBRID, "placement.pipeline_stages=4", "placement.weight_sync=object_store"],
-    [*SERIAL, "placement.offload=always"],
-], ids=["hybrid-2-stages", "hybrid-4-stages-object-store", "colocated-offload"])
+    [*HYBRID, "placement.pipeline_stages=4", "placement.weight_sync=broadcast"],
+    [*SERIAL, "placement.offload=always", "placement.weight_sync=object_store"],
+], ids=["hybrid-2-stages", "hybrid-4-stages-broadcast", "colocated-offload-object-store"])
 def test_execution_mode_does_not_change_the_run(serial_run, overrides):
     run = _train(overrides)
     assert serial_run["plan"].pipeline_stages == 1 and serial_run["plan"].weight_sync == "shared_memory"
     assert len(run["episodes"]) > 0  # 10-step episodes: auto-reset and bootstrapping happen
     for key in ("trajectories", "episodes", "eval", "weights"):
-        _assert_identical(run[key], serial_run[key], key)
+        assert_identical(run[key], serial_run[key], key)

@@ -31,6 +31,21 @@ def test_devices_are_numbered_across_nodes():
                                      pipeline_stages=2), cluster, num_envs=8)
     assert [plan.device("env", r) for r in range(2)] == [Device(2, "b", 0), Device(3, "b", 1)]
     assert plan.same_node("rollout", "actor") and not plan.same_node("env", "rollout")
+    assert plan.weight_sync == "shared_memory"  # auto: rollout and actor share the head node
+    split = make_plan(PlacementConfig(mode="disaggregated", env_workers=1, env="0", rollout="1", actor="2"),
+                      cluster, num_envs=8)
+    assert split.weight_sync == "object_store"  # auto across nodes
+    assert split.offload  # auto: on GPUs
+
+
+def test_weight_sync_choices_that_cannot_work_are_rejected():
+    cluster = ClusterDevices("gpu", [Device(0, "head", 0), Device(1, "b", 0)])
+    with pytest.raises(UserError, match="weight_sync=object_store"):
+        make_plan(PlacementConfig(mode="hybrid", env_workers=1, env="0", rollout="1", actor="0",
+                                  weight_sync="shared_memory"), cluster, num_envs=8)
+    with pytest.raises(UserError, match="take turns"):
+        make_plan(PlacementConfig(env_workers=1, env="0", rollout="0", actor="0", weight_sync="broadcast"),
+                  cluster, num_envs=8)
 
 
 @pytest.mark.parametrize("mode, env, rollout, actor, stages", [

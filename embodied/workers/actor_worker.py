@@ -8,7 +8,14 @@ from embodied.algorithms.ppo import ppo_update
 from embodied.workers.rollout_worker import merge_trajectories
 from policies.registry import make_policy
 from scheduler.offload import DeviceState
-from scheduler.weight_sync import SharedLayout, SharedWeights, plan_layout
+from scheduler.weight_sync import (
+    SharedLayout,
+    SharedWeights,
+    broadcast_address,
+    broadcast_module,
+    join_broadcast_group,
+    plan_layout,
+)
 from scheduler.worker import Worker
 
 
@@ -39,6 +46,15 @@ class ActorWorker(Worker):
 
     def publish_weights(self) -> None:
         self.shared.write(self.policy.state_dict())
+
+    def open_broadcast_group(self) -> str:
+        return broadcast_address()
+
+    def join_broadcast_group(self, address: str, world_size: int) -> None:
+        join_broadcast_group(address, rank=0, world_size=world_size, device=self.device)
+
+    def broadcast_weights(self) -> int:
+        return broadcast_module(self.policy, src=0)
 
     # -- context switching ----------------------------------------------------------------
     def offload(self) -> dict:

@@ -17,7 +17,13 @@ from policies.base import set_batch_invariant
 from policies.registry import make_policy
 from scheduler.channel import Channel
 from scheduler.offload import DeviceState
-from scheduler.weight_sync import SharedLayout, SharedWeights, use_views_as_parameters
+from scheduler.weight_sync import (
+    SharedLayout,
+    SharedWeights,
+    broadcast_module,
+    join_broadcast_group,
+    use_views_as_parameters,
+)
 from scheduler.worker import Worker
 
 # which finished episodes get their final observation's value added to the last reward
@@ -57,6 +63,12 @@ class RolloutWorker(Worker):
     def use_shared_weights(self) -> int:
         """Sync from the actor's shared buffer; returns bytes copied (0 on CPU: in place)."""
         return use_views_as_parameters(self.policy, self.shared.views)
+
+    def join_broadcast_group(self, address: str, world_size: int) -> None:
+        join_broadcast_group(address, rank=1 + self.rank, world_size=world_size, device=self.device)
+
+    def receive_broadcast(self) -> int:
+        return broadcast_module(self.policy, src=0)
 
     def offload(self) -> dict:
         return self.device_state.offload().as_dict()
