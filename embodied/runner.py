@@ -120,10 +120,13 @@ class Workers:
         self.switcher.turn("train")
         return self.actor.call("state")[0]
 
-    def prepare_generation(self) -> dict[str, float]:
-        """Sync weights and give the devices to env and rollout workers; returns timings."""
+    def prepare_generation(self, force_sync: bool = False) -> dict[str, float]:
+        """Sync weights and give the devices to env and rollout workers; returns timings.
+
+        Weights are sent only if the actor changed them, unless ``force_sync`` (benchmarks).
+        """
         t0 = time.perf_counter()
-        if self._weights_stale:  # the actor is resident: it just trained or was loaded
+        if self._weights_stale or force_sync:  # the actor is resident: it just trained or was loaded
             self._publish_weights()
             self._weights_stale = False
         t1 = time.perf_counter()
