@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
     parser.add_argument("--json", action="store_true", help="bench: print the results as JSON")
-    parser.add_argument("--iterations", type=int, default=3, help="bench: measured iterations per mode")
+    parser.add_argument("--iterations", type=int, default=2, help="bench: measured iterations per mode")
     parser.add_argument("command", choices=["train", "eval", "record", "bench", "check-render", "setup-render"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
                         "(bench: the benchmark name first, e.g. `embodied bench pipeline`)")

@@ -149,6 +149,7 @@ class Workers:
         times = {
             "rollout_s": time.perf_counter() - t0,
             "env_sim_s": max(out["sim_s"] for out in env_out),
+            "env_step_s": max(out["step_s"] for out in env_out),
             "env_wait_s": max(out["wait_s"] for out in env_out),
             "infer_s": max(t["infer_s"] for t in rollout_times),
             "infer_wait_s": max(t["wait_s"] for t in rollout_times),

@@ -1,9 +1,11 @@
 """Channel: a FIFO between worker groups, keyed so micro-batches route to the right peer.
 
 Items one process puts under a key come out of ``get(key)`` in the order it put
-them. ``put`` does not wait; ``get`` blocks until an item is there. Items travel
-through Ray's object store; the channel actor only queues their references, so it
-costs next to no CPU however large the items (camera images) are.
+them. ``put`` does not wait; ``get`` blocks until an item is there. Large items
+(camera images) travel through Ray's object store and the channel actor only queues
+their references, so it costs next to no CPU; small ones (actions) ride in the call.
+:class:`InOrder` keeps the next ``get`` in flight while the caller works, which hides
+the round trips in a pipeline.
 
 Ray does not promise to run one caller's calls to a concurrent (async) actor in
 submission order, so every put carries its producer's id and a sequence number,
@@ -21,6 +23,16 @@ from typing import Any
 # so copies of a Channel passed to the same process in several calls share one sequence
 _PRODUCER = uuid.uuid4().hex
 _NEXT_SEQ: dict[tuple[str, Any], int] = defaultdict(int)
+_INLINE_BYTES = 64 * 1024  # smaller items go by value: one hop less than the object store
+
+
+def _nbytes(item: Any) -> int:
+    """Bytes of the tensors / arrays in ``item`` (nested dicts, lists, tuples)."""
+    if isinstance(item, dict):
+        return sum(_nbytes(v) for v in item.values())
+    if isinstance(item, (list, tuple)):
+        return sum(_nbytes(v) for v in item)
+    return int(getattr(item, "nbytes", 0))
 
 
 class _ChannelStore:
@@ -63,15 +75,47 @@ class Channel:
         seq = _NEXT_SEQ[stream]
         _NEXT_SEQ[stream] = seq + 1
         # a reference inside a list is passed as is (Ray resolves only top-level arguments)
-        self._store.put.remote(key, [ray.put(item)], _PRODUCER, seq)
+        payload = ("value", item) if _nbytes(item) < _INLINE_BYTES else ("ref", [ray.put(item)])
+        self._store.put.remote(key, payload, _PRODUCER, seq)
+
+    def get_async(self, key: Any = "default") -> Pending:
+        """Ask for the next item under ``key`` now; :meth:`Pending.wait` returns it."""
+        return Pending(self._store.get.remote(key))
 
     def get(self, key: Any = "default", timeout: float | None = None) -> Any:
-        import ray
-
-        (ref,) = ray.get(self._store.get.remote(key), timeout=timeout)
-        return ray.get(ref, timeout=timeout)
+        return self.get_async(key).wait(timeout)
 
     def qsize(self, key: Any = "default") -> int:
         import ray
 
         return ray.get(self._store.qsize.remote(key))
+
+
+class Pending:
+    """An item asked for with :meth:`Channel.get_async`."""
+
+    def __init__(self, ref):
+        self._ref = ref
+
+    def wait(self, timeout: float | None = None) -> Any:
+        import ray
+
+        kind, payload = ray.get(self._ref, timeout=timeout)
+        return ray.get(payload[0], timeout=timeout) if kind == "ref" else payload
+
+
+class InOrder:
+    """Gets the items of ``keys`` one after another, with the next request in flight
+    while the caller works on the current item."""
+
+    def __init__(self, channel: Channel, keys: list):
+        self.channel = channel
+        self.keys = keys
+        self.index = 0
+        self.pending = channel.get_async(keys[0]) if keys else None
+
+    def next(self) -> Any:
+        item = self.pending.wait()
+        self.index += 1
+        self.pending = self.channel.get_async(self.keys[self.index]) if self.index < len(self.keys) else None
+        return item

@@ -68,3 +68,22 @@ def test_channel_keeps_order_per_key(ray_cluster, plan):
 def test_constructor_error_surfaces(ray_cluster, plan):
     with pytest.raises(Exception, match="offset"):
         WorkerGroup(EchoWorker, "env", plan)  # missing the offset argument
+
+
+def test_channel_passes_small_items_by_value_and_large_by_reference(ray_cluster):
+    import numpy as np
+
+    from scheduler.channel import _INLINE_BYTES, InOrder
+
+    channel = Channel("sizes")
+    small = {"actions": np.arange(8, dtype=np.float32)}
+    large = {"rgb": np.random.default_rng(0).integers(0, 255, _INLINE_BYTES * 4, dtype=np.uint8)}
+    keys = [("k", i % 2) for i in range(6)]
+    incoming = InOrder(channel, keys)  # requests go out before the items exist
+    for i, key in enumerate(keys):
+        channel.put((i, small if i % 3 else large), key=key)
+    for i in range(6):
+        index, item = incoming.next()
+        assert index == i
+        expected = small if i % 3 else large
+        assert all(np.array_equal(item[k], expected[k]) for k in expected)

@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # the default workload: CPU-rendered 128px RGB and a CNN wide enough that one inference
-# costs about one simulator step (~35 ms per env on lavapipe)
+# costs about one simulator step (~35 ms per env on lavapipe); 50 steps = one PushCube
+# episode per env, so the pipeline's fill and drain (one micro-batch each) weigh little
 DEFAULT_OVERRIDES = [
     "env=maniskill_pushcube_rgb", "env.image_size=128", "env.num_envs=8", "env.num_procs=0",
-    "policy=cnn_wide", "algorithm.rollout_steps=32",
+    "policy=cnn_wide", "algorithm.rollout_steps=50",
     "placement.env_workers=1", "placement.rollout_workers=1", "placement.actor_workers=1",
     # a worker gets its device's core and no other, so serial and pipelined compare fairly
     "placement.pin_cpus=true",
@@ -77,7 +78,7 @@ def _measure(name: str, cfg, iterations: int, on_iteration) -> ModeResult:
                       [(lane, stage, start - wall0, end - wall0) for lane, stage, start, end in trace])
 
 
-def run(overrides: list[str], iterations: int = 3, out_dir: Path | None = None, progress: bool = True) -> dict:
+def run(overrides: list[str], iterations: int = 2, out_dir: Path | None = None, progress: bool = True) -> dict:
     """Measure every mode; write ``results.json``, ``results.md`` and ``timeline.png``; return the results."""
     from tqdm import tqdm
 

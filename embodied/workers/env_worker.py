@@ -16,7 +16,7 @@ import torch
 
 from envs.base import episode_rows
 from envs.registry import make_vec_env
-from scheduler.channel import Channel
+from scheduler.channel import Channel, InOrder
 from scheduler.worker import Worker
 
 
@@ -50,20 +50,23 @@ class EnvWorker(Worker):
 
         Returns ``episodes`` (rows of the episodes that finished; ``env`` indexes this
         rank's slice) and this rank's time busy stepping the simulator and sending the
-        results (``sim_s``) and waiting for actions (``wait_s``).
+        results (``sim_s``), of which ``env.step`` alone (``step_s``), and waiting for
+        actions (``wait_s``).
         """
         self.trace = []
         started = time.perf_counter()
         for s, obs in enumerate(self.obs):
             channel.put({"obs": obs}, key=("obs", self.rank, s))
         episodes: list[dict] = []
-        wait_s = 0.0
+        wait_s = step_s = 0.0
+        actions_in = InOrder(channel, [("act", self.rank, s) for _ in range(num_steps) for s in range(len(self.envs))])
         for _ in range(num_steps):
             for s, env in enumerate(self.envs):
                 t0 = time.perf_counter()
-                actions = channel.get(key=("act", self.rank, s))
+                actions = actions_in.next()
                 t1, start = time.perf_counter(), time.time()
                 result = env.step(actions)
+                step_s += time.perf_counter() - t1
                 for row in episode_rows(result.info["episode"], result.done):
                     episodes.append({**row, "env": row["env"] + s * self.stage_size})
                 channel.put(_message(result), key=("obs", self.rank, s))
@@ -71,7 +74,7 @@ class EnvWorker(Worker):
                 wait_s += t1 - t0
                 self.trace.append(("sim", start, time.time()))
         busy_s = time.perf_counter() - started - wait_s
-        return {"episodes": episodes, "sim_s": busy_s, "wait_s": wait_s}
+        return {"episodes": episodes, "sim_s": busy_s, "step_s": step_s, "wait_s": wait_s}
 
     def evaluate(self, seeds: list[int], channel: Channel) -> list[dict]:
         """One fixed-horizon episode per env, reset with ``seeds``; returns one row per episode."""

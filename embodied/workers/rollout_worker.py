@@ -15,7 +15,7 @@ import torch
 from embodied.registry import Registry
 from policies.base import set_batch_invariant
 from policies.registry import make_policy
-from scheduler.channel import Channel
+from scheduler.channel import Channel, InOrder
 from scheduler.offload import DeviceState
 from scheduler.weight_sync import (
     SharedLayout,
@@ -90,11 +90,11 @@ class RolloutWorker(Worker):
         # the simulator's action box is [-1, 1]; the unclipped sample is what was scored
         return actions, logprob, value, actions.clamp(-1.0, 1.0).cpu()
 
-    def _get(self, channel: Channel, key: tuple) -> dict:
-        """Wait for a micro-batch; the time until the next ``_get`` counts as busy (``infer``)."""
+    def _get(self, incoming: InOrder) -> dict:
+        """Wait for the next micro-batch; the time until the next ``_get`` counts as busy (``infer``)."""
         t0 = time.perf_counter()
         self._end_busy()
-        msg = channel.get(key=key)
+        msg = incoming.next()
         self.times["wait_s"] += time.perf_counter() - t0
         self._busy_since = time.time()
         return msg
@@ -103,6 +103,10 @@ class RolloutWorker(Worker):
         if self._busy_since is not None:
             self.trace.append(("infer", self._busy_since, time.time()))
             self._busy_since = None
+
+    def _observations(self, channel: Channel, num_steps: int) -> InOrder:
+        """The ``num_steps + 1`` observation messages of every served micro-batch, in serving order."""
+        return InOrder(channel, [("obs", r, s) for _ in range(num_steps + 1) for r, s in self.streams])
 
     def _start_timing(self) -> None:
         self.trace = []
@@ -125,10 +129,11 @@ class RolloutWorker(Worker):
         """Drive ``num_steps`` env steps on each served micro-batch; returns the trajectory."""
         self._start_timing()
         buffers = {stream: _empty_buffer() for stream in self.streams}
+        incoming = self._observations(channel, num_steps)
         for t in range(num_steps + 1):
             step_noise: dict[int, torch.Tensor] = {}
             for env_rank, stage in self.streams:
-                msg = self._get(channel, ("obs", env_rank, stage))
+                msg = self._get(incoming)
                 buf = buffers[env_rank, stage]
                 if t > 0:
                     buf["rewards"].append(self._bootstrapped_reward(msg))
@@ -162,10 +167,11 @@ class RolloutWorker(Worker):
     def serve_eval(self, num_steps: int, channel: Channel, deterministic: bool) -> None:
         """Answer ``num_steps`` steps of evaluation episodes (no trajectory kept)."""
         self._start_timing()
+        incoming = self._observations(channel, num_steps)
         for t in range(num_steps + 1):
             step_noise: dict[int, torch.Tensor] = {}
             for env_rank, stage in self.streams:
-                msg = self._get(channel, ("obs", env_rank, stage))
+                msg = self._get(incoming)
                 if t < num_steps:
                     noise = self._noise(env_rank, stage, step_noise)
                     channel.put(self._act(msg["obs"], deterministic, noise)[3], key=("act", env_rank, stage))
