@@ -25,7 +25,8 @@ class EnvWorker(Worker):
         super().__init__(**kwargs)
         self.num_envs = num_envs
         self.stage_size = num_envs // stages
-        procs = env_cfg.num_procs and max(1, env_cfg.num_procs // stages)
+        # env.num_procs sim processes per worker, shared out over its micro-batches (0: in-process)
+        procs = max(1, env_cfg.num_procs // stages) if env_cfg.num_procs else 0
         self.envs = [make_vec_env(env_cfg, num_envs=self.stage_size, num_procs=procs) for _ in range(stages)]
         self.obs: list[dict[str, torch.Tensor] | None] = [None] * stages
         self.trace: list[tuple[str, float, float]] = []  # (stage name, start, end), wall clock
@@ -59,7 +60,8 @@ class EnvWorker(Worker):
             channel.put({"obs": obs}, key=("obs", self.rank, s))
         episodes: list[dict] = []
         wait_s = step_s = 0.0
-        actions_in = InOrder(channel, [("act", self.rank, s) for _ in range(num_steps) for s in range(len(self.envs))])
+        keys = [("act", self.rank, s) for _ in range(num_steps) for s in range(len(self.envs))]
+        actions_in = InOrder(channel, keys)  # the next micro-batch's actions are requested while this one steps
         for _ in range(num_steps):
             for s, env in enumerate(self.envs):
                 t0 = time.perf_counter()
