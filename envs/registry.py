@@ -18,7 +18,7 @@ ENV_VALIDATORS: dict[str, Callable] = {}
 
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
-_BACKEND_MODULES.update({"maniskill": "envs.maniskill"})
+_BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero"})
 
 
 def register_env(name: str, validate: Callable | None = None) -> Callable:
