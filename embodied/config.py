@@ -34,6 +34,9 @@ class EnvConfig:
     image_size: int = 128  # camera resolution for obs_mode=rgb
     render_size: int = 256  # resolution of recorded videos
     timeout_s: float = 120.0  # an env process silent this long is reported as hung
+    # replace an env process that dies or hangs: its episodes end as failed (error) and the run
+    # goes on; False: the run stops with a checkpoint and a message (exit code 3)
+    restart_crashed: bool = False
 
 
 @dataclass

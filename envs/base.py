@@ -107,12 +107,14 @@ class EpisodeTracker:
         return finished
 
 
-def episode_rows(episode: dict, done: torch.Tensor) -> list[dict]:
-    """Turn the batched ``info["episode"]`` of one step into a row per finished episode."""
+def episode_rows(episode: dict, done: torch.Tensor, error: torch.Tensor | None = None) -> list[dict]:
+    """Turn the batched ``info["episode"]`` of one step into a row per finished episode;
+    ``error`` marks episodes ended by a crashed env process."""
     idx = done.nonzero().flatten().tolist()
     return [
         {
             "env": i,
+            "error": bool(error[i]) if error is not None else False,
             "return": float(episode["return"][i]),
             "length": int(episode["length"][i]),
             "success_once": bool(episode["success_once"][i]),

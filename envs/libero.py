@@ -191,4 +191,4 @@ def make_libero(cfg, num_envs: int, num_procs: int):
     heavy and render on the CPU, so envs never share a process)."""
     spec = LiberoSpec(cfg.task, cfg.image_size, cfg.max_episode_steps or MAX_STEPS[cfg.task])
     return SubprocVecEnv(functools.partial(_make_libero_env, spec), num_envs, max(num_procs, num_envs),
-                         timeout_s=cfg.timeout_s)
+                         timeout_s=cfg.timeout_s, restart_crashed=cfg.restart_crashed)

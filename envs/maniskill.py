@@ -191,5 +191,6 @@ def make_maniskill(cfg, num_envs: int, num_procs: int):
     if sim_backend == "physx_cuda":
         return ManiSkillGPUVecEnv(spec, num_envs)
     return SubprocVecEnv(
-        functools.partial(_make_cpu_env, spec), num_envs, num_procs, timeout_s=cfg.timeout_s
+        functools.partial(_make_cpu_env, spec), num_envs, num_procs, timeout_s=cfg.timeout_s,
+        restart_crashed=cfg.restart_crashed,
     )

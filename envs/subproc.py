@@ -151,6 +151,10 @@ class SubprocVecEnv:
         num_envs: batch size ``B``.
         num_procs: worker processes (0 = step in this process).
         timeout_s: how long a worker may take to answer one command.
+        restart_crashed: a worker process that dies, raises or hangs during ``step`` is
+            replaced by a fresh one: its envs' episodes end as failed-by-error
+            (``info["error"]``) and restart from their last reset seeds, and the batch
+            goes on. Without it the failure raises :class:`EnvCrashedError`.
     """
 
     def __init__(
@@ -159,11 +163,17 @@ class SubprocVecEnv:
         num_envs: int,
         num_procs: int,
         timeout_s: float = 120.0,
+        restart_crashed: bool = False,
     ):
         if num_procs > num_envs:
             num_procs = num_envs
         self.num_envs = num_envs
         self.timeout_s = timeout_s
+        self.restart_crashed = restart_crashed
+        self._make_env = make_env
+        self._seeds: list[int | None] = [None] * num_envs  # each env's last reset seed
+        self._ignore_terminations = False
+        self.restarts = 0  # worker processes replaced so far
         self.device = torch.device("cpu")
         # one env built here tells the shapes the shared buffers need
         first = make_env(0)
@@ -193,62 +203,92 @@ class SubprocVecEnv:
             block = shared_memory.SharedMemory(create=True, size=nbytes)
             self._blocks[name] = block
             self.buf[name] = np.ndarray(shape, dtype, buffer=block.buf)
-        shm_names = {name: block.name for name, block in self._blocks.items()}
-        # fork deadlocks inside lavapipe once the parent has built an env (FACTS.md)
-        ctx = mp.get_context("forkserver")
+        self._shm_names = {name: block.name for name, block in self._blocks.items()}
         bounds = np.linspace(0, self.num_envs, num_procs + 1).astype(int)
         for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(child, make_env, list(range(start, stop)), shm_names, self._specs, start, stop),
-                daemon=True,
-            )
-            proc.start()
-            child.close()
+            proc, pipe = self._spawn(start, stop)
             self._procs.append(proc)
-            self._pipes.append(parent)
+            self._pipes.append(pipe)
         self._gather()
 
-    def _gather(self, timeout_s: float | None = None) -> list:
-        """Wait for every worker's answer; raise EnvCrashedError on death, error or timeout."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        answers = []
-        for rank, pipe in enumerate(self._pipes):
-            if not pipe.poll(timeout_s):
-                alive = self._procs[rank].is_alive()
-                self.close(force=True)
-                raise EnvCrashedError(
-                    f"Env worker process {rank} did not answer within {timeout_s:.0f} s "
-                    f"({'still running: the simulator hangs' if alive else 'it died'}). "
-                    "Check the simulator on its own with `embodied check-render`, lower "
-                    "env.num_envs, or raise env.timeout_s if steps are legitimately slow."
-                )
-            try:
-                status, payload = pipe.recv()
-            except (EOFError, OSError):
-                self._procs[rank].join(timeout=1)
-                code = self._procs[rank].exitcode
-                self.close(force=True)
-                raise EnvCrashedError(
-                    f"Env worker process {rank} died (exit code {code}). A negative code is the "
-                    "signal that killed it (-9: out of memory or killed, -11: crash in the "
-                    "simulator). Lower env.num_envs or check the simulator with "
-                    "`embodied check-render`."
-                ) from None
-            if status == "error":
-                self.close(force=True)
-                raise EnvCrashedError(f"Env worker process {rank} raised:\n{payload}")
-            answers.append(payload)
-        return answers
+    def _spawn(self, start: int, stop: int):
+        # fork deadlocks inside lavapipe once the parent has built an env (FACTS.md)
+        ctx = mp.get_context("forkserver")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_worker_main,
+            args=(child, self._make_env, list(range(start, stop)), self._shm_names, self._specs, start, stop),
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        return proc, parent
 
-    def _broadcast(self, cmd: str, per_rank_args: list | None = None) -> list:
+    def _restart(self, rank: int) -> None:
+        """Replace worker ``rank`` by a fresh process and reset its envs to their last seeds."""
+        proc = self._procs[rank]
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=5)
+        start, stop = self._slices()[rank]
+        self._procs[rank], self._pipes[rank] = self._spawn(start, stop)
+        self.restarts += 1
+        startup_s = max(self.timeout_s, 300.0)  # building envs can take far longer than a step
+        self._answer(rank, startup_s)  # ready
+        for command in (("ignore_terminations", self._ignore_terminations), ("reset", self._seeds[start:stop])):
+            self._pipes[rank].send(command)
+            self._answer(rank, startup_s)
+
+    def _gather(self, timeout_s: float | None = None, restart: bool = False) -> tuple[list, list[int]]:
+        """Wait for every worker's answer; raise EnvCrashedError on death, error or timeout,
+        or (``restart``) replace the failed workers. Returns (answers, restarted ranks)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        answers, restarted = [], []
+        for rank in range(len(self._pipes)):
+            try:
+                answers.append(self._answer(rank, timeout_s))
+            except EnvCrashedError:
+                if not restart:
+                    self.close(force=True)
+                    raise
+                self._restart(rank)
+                answers.append(None)
+                restarted.append(rank)
+        return answers, restarted
+
+    def _answer(self, rank: int, timeout_s: float):
+        """Worker ``rank``'s answer to the last command; EnvCrashedError if it has none."""
+        pipe = self._pipes[rank]
+        if not pipe.poll(timeout_s):
+            alive = self._procs[rank].is_alive()
+            raise EnvCrashedError(
+                f"Env worker process {rank} did not answer within {timeout_s:.0f} s "
+                f"({'still running: the simulator hangs' if alive else 'it died'}). "
+                "Check the simulator on its own with `embodied check-render`, lower "
+                "env.num_envs, or raise env.timeout_s if steps are legitimately slow."
+            )
+        try:
+            status, payload = pipe.recv()
+        except (EOFError, OSError):
+            self._procs[rank].join(timeout=1)
+            code = self._procs[rank].exitcode
+            raise EnvCrashedError(
+                f"Env worker process {rank} died (exit code {code}). A negative code is the "
+                "signal that killed it (-9: out of memory or killed, -11: crash in the "
+                "simulator). Lower env.num_envs or check the simulator with "
+                "`embodied check-render`."
+            ) from None
+        if status == "error":
+            raise EnvCrashedError(f"Env worker process {rank} raised:\n{payload}")
+        return payload
+
+    def _broadcast(self, cmd: str, per_rank_args: list | None = None, restart: bool = False):
         for rank, pipe in enumerate(self._pipes):
             try:
                 pipe.send((cmd, None if per_rank_args is None else per_rank_args[rank]))
             except OSError:
                 pass  # the worker is gone: _gather reports how it died
-        return self._gather()
+        return self._gather(restart=restart)
 
     def _slices(self) -> list[tuple[int, int]]:
         bounds = np.linspace(0, self.num_envs, len(self._pipes) + 1).astype(int)
@@ -265,6 +305,7 @@ class SubprocVecEnv:
             seeds = list(seed)
             if len(seeds) != self.num_envs:
                 raise ValueError(f"reset got {len(seeds)} seeds for {self.num_envs} envs")
+        self._seeds = list(seeds)
         if self._local is not None:
             self._local.reset(seeds)
         else:
@@ -275,10 +316,16 @@ class SubprocVecEnv:
     def step(self, actions: torch.Tensor) -> StepResult:
         """Step all envs with ``actions`` float ``[B, A]``."""
         self.buf["action"][:] = actions.detach().cpu().numpy()
+        error = torch.zeros(self.num_envs, dtype=torch.bool)
         if self._local is not None:
             self._local.step()
         else:
-            self._broadcast("step")
+            # the last good observations: what a failed episode ends on
+            before = {k: self.buf[f"obs/{k}"].copy() for k in self.obs_spec} if self.restart_crashed else None
+            _, restarted = self._broadcast("step", restart=self.restart_crashed)
+            for rank in restarted:
+                error[slice(*self._slices()[rank])] = True
+            self._end_failed_episodes(error, before)
         reward = torch.from_numpy(self.buf["reward"].copy())
         terminated = torch.from_numpy(self.buf["terminated"].copy())
         truncated = torch.from_numpy(self.buf["truncated"].copy())
@@ -286,13 +333,28 @@ class SubprocVecEnv:
         done = terminated | truncated
         info = {
             "success": success,
+            "error": error,
             "final_obs": self._obs("final_obs"),
             "episode": self.tracker.update(reward, success, done),
         }
         return StepResult(self._obs("obs"), reward, terminated, truncated, info)
 
+    def _end_failed_episodes(self, error: torch.Tensor, before: dict | None) -> None:
+        """Envs of a replaced worker: their episodes end now, truncated and unsuccessful, on
+        their last good observation; the restart already reset them for the next one."""
+        idx = error.nonzero().flatten().numpy()
+        if len(idx) == 0:
+            return
+        self.buf["reward"][idx] = 0.0
+        self.buf["terminated"][idx] = False
+        self.buf["truncated"][idx] = True
+        self.buf["success"][idx] = False
+        for key in self.obs_spec:
+            self.buf[f"final_obs/{key}"][idx] = before[key][idx]
+
     def set_ignore_terminations(self, flag: bool) -> None:
         """With True, episodes end only at the time limit (evaluation protocol)."""
+        self._ignore_terminations = flag
         if self._local is not None:
             self._local.ignore_terminations = flag
         else:

@@ -110,3 +110,26 @@ def test_vec_env_mixes_tasks_across_processes():
         assert result.reward.shape == (2,) and not bool(result.done.any())
     finally:
         env.close()
+
+
+def test_watchdog_replaces_a_killed_libero_process():
+    import os
+    import signal
+
+    from embodied.config import compose
+    from envs.registry import make_vec_env
+
+    cfg = compose(["env=libero_spatial", "env.image_size=64"]).env
+    assert cfg.restart_crashed  # on by default for LIBERO
+    env = make_vec_env(cfg, num_envs=2, num_procs=2)
+    try:
+        seeds = [episode_seed(2, 5), episode_seed(3, 6)]
+        first, _ = env.reset(seed=seeds)
+        os.kill(env._procs[1].pid, signal.SIGKILL)
+        result = env.step(torch.zeros(2, 7))
+        assert result.info["error"].tolist() == [False, True] and bool(result.truncated[1])
+        # the replacement restarted env 1 from its episode's init state: the same first frame
+        torch.testing.assert_close(result.obs["rgb"][1], first["rgb"][1], rtol=0, atol=0)
+        assert not env.step(torch.zeros(2, 7)).info["error"].any()
+    finally:
+        env.close()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from envs.base import EpisodeTracker, VecEnv
+from envs.base import EpisodeTracker, VecEnv, episode_rows
 from envs.registry import make_vec_env
 from tests.conftest import small_config
 
@@ -152,5 +152,50 @@ def test_gpu_backend_matches_protocol(env_cfg):
             result = env.step(torch.zeros(8, env.action_dim, device="cuda"))
         assert result.truncated.all()
         assert result.info["episode"]["length"].tolist() == [env.max_episode_steps] * 8
+    finally:
+        env.close()
+
+
+def test_crashed_env_process_is_replaced_and_its_episodes_fail():
+    """With env.restart_crashed a killed process is replaced: its envs' episodes end as failed
+    (error, truncated, not successful), restart from their reset seeds, and the batch goes on."""
+    import os
+    import signal
+
+    cfg = small_config("env.restart_crashed=true").env
+    env = make_vec_env(cfg, num_envs=4, num_procs=2)
+    reference = make_vec_env(cfg, num_envs=4, num_procs=0)
+    try:
+        env.reset(seed=[30, 31, 32, 33])
+        zeros = torch.zeros(4, env.action_dim)
+        env.step(zeros)
+        os.kill(env._procs[1].pid, signal.SIGKILL)
+        result = env.step(zeros)
+        assert result.info["error"].tolist() == [False, False, True, True]
+        assert result.truncated[2:].all() and not result.info["success"][2:].any()
+        rows = episode_rows(result.info["episode"], result.done, result.info["error"])
+        assert [(r["env"], r["error"], r["length"]) for r in rows] == [(2, True, 2), (3, True, 2)]
+        assert env.restarts == 1
+        fresh, _ = reference.reset(seed=[30, 31, 32, 33])
+        torch.testing.assert_close(result.obs["state"][2:], fresh["state"][2:], rtol=0, atol=0)
+        after = env.step(zeros)  # the batch goes on
+        assert not after.info["error"].any()
+    finally:
+        env.close()
+        reference.close()
+
+
+def test_hung_env_process_is_replaced():
+    import os
+    import signal
+
+    cfg = small_config("env.restart_crashed=true", "env.timeout_s=3").env
+    env = make_vec_env(cfg, num_envs=2, num_procs=2)
+    try:
+        env.reset(seed=[40, 41])
+        os.kill(env._procs[0].pid, signal.SIGSTOP)  # alive but silent: a hung simulator
+        result = env.step(torch.zeros(2, env.action_dim))
+        assert result.info["error"].tolist() == [True, False] and env.restarts == 1
+        assert not env.step(torch.zeros(2, env.action_dim)).info["error"].any()
     finally:
         env.close()

@@ -69,7 +69,7 @@ class EnvWorker(Worker):
                 t1, start = time.perf_counter(), time.time()
                 result = env.step(actions)
                 step_s += time.perf_counter() - t1
-                for row in episode_rows(result.info["episode"], result.done):
+                for row in episode_rows(result.info["episode"], result.done, result.info.get("error")):
                     episodes.append({**row, "env": row["env"] + s * self.stage_size})
                 channel.put(_message(result), key=("obs", self.rank, s))
                 self.obs[s] = result.obs
