@@ -174,6 +174,7 @@ class SubprocVecEnv:
         self._seeds: list[int | None] = [None] * num_envs  # each env's last reset seed
         self._ignore_terminations = False
         self.restarts = 0  # worker processes replaced so far
+        self._startup_s = max(timeout_s, 300.0)  # building envs can take far longer than a step
         self.device = torch.device("cpu")
         # one env built here tells the shapes the shared buffers need
         first = make_env(0)
@@ -209,7 +210,7 @@ class SubprocVecEnv:
             proc, pipe = self._spawn(start, stop)
             self._procs.append(proc)
             self._pipes.append(pipe)
-        self._gather()
+        self._gather(self._startup_s)
 
     def _spawn(self, start: int, stop: int):
         # fork deadlocks inside lavapipe once the parent has built an env (FACTS.md)
@@ -230,14 +231,14 @@ class SubprocVecEnv:
         if proc.is_alive():
             proc.kill()
         proc.join(timeout=5)
+        self._pipes[rank].close()
         start, stop = self._slices()[rank]
         self._procs[rank], self._pipes[rank] = self._spawn(start, stop)
         self.restarts += 1
-        startup_s = max(self.timeout_s, 300.0)  # building envs can take far longer than a step
-        self._answer(rank, startup_s)  # ready
+        self._answer(rank, self._startup_s)  # ready
         for command in (("ignore_terminations", self._ignore_terminations), ("reset", self._seeds[start:stop])):
             self._pipes[rank].send(command)
-            self._answer(rank, startup_s)
+            self._answer(rank, self._startup_s)
 
     def _gather(self, timeout_s: float | None = None, restart: bool = False) -> tuple[list, list[int]]:
         """Wait for every worker's answer; raise EnvCrashedError on death, error or timeout,
