@@ -28,8 +28,19 @@ class Worker:
         use_cuda = device_kind == "gpu" and torch.cuda.is_available()
         self.device = torch.device(f"cuda:{local_device}" if use_cuda else "cpu")
 
+    # what offload() moves off the device while another group holds it (scheduler/offload.py);
+    # None: nothing (CPU simulators hold no device memory, a GPU simulator just pauses:
+    # PhysX cannot release its buffers without rebuilding the scene)
+    device_state = None
+
     def ping(self) -> int:
         return self.rank
+
+    def offload(self) -> dict:
+        return self.device_state.offload().as_dict() if self.device_state is not None else {"bytes_moved": 0}
+
+    def onload(self) -> dict:
+        return self.device_state.onload().as_dict() if self.device_state is not None else {"bytes_moved": 0}
 
     def node_id(self) -> str:
         import ray

@@ -56,13 +56,6 @@ class ActorWorker(Worker):
     def broadcast_weights(self) -> int:
         return broadcast_module(self.policy, src=0)
 
-    # -- context switching ----------------------------------------------------------------
-    def offload(self) -> dict:
-        return self.device_state.offload().as_dict()
-
-    def onload(self) -> dict:
-        return self.device_state.onload().as_dict()
-
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -89,14 +89,6 @@ class EnvWorker(Worker):
     def last_trace(self) -> list[tuple[str, float, float]]:
         return self.trace
 
-    def offload(self) -> dict:
-        """CPU simulators hold no device memory; a GPU simulator pauses (PhysX cannot release
-        its buffers without rebuilding the scene), so there is nothing to move."""
-        return {"bytes_moved": 0}
-
-    def onload(self) -> dict:
-        return {"bytes_moved": 0}
-
     def close(self) -> None:
         for env in self.envs:
             env.close()

@@ -70,12 +70,6 @@ class RolloutWorker(Worker):
     def receive_broadcast(self) -> int:
         return broadcast_module(self.policy, src=0)
 
-    def offload(self) -> dict:
-        return self.device_state.offload().as_dict()
-
-    def onload(self) -> dict:
-        return self.device_state.onload().as_dict()
-
     # -- inference ----------------------------------------------------------------------
     def _obs(self, obs: dict) -> dict:
         return {k: v.to(self.device) for k, v in obs.items()}
