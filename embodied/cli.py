@@ -7,6 +7,7 @@ Arguments after the subcommand are Hydra overrides, e.g.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -72,6 +73,7 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
     from embodied.config import compose, to_yaml
     from embodied.evaluate import record_videos, write_eval
     from embodied.runner import Trainer
+    from policies.registry import check_trainable
 
     resume, rest = _split(overrides, "resume")
     resume_state = None
@@ -86,6 +88,7 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
     else:
         cfg = compose(rest)
         run_dir = _new_run_dir(cfg)
+    check_trainable(cfg.policy.name)
     if print_cfg:
         print(to_yaml(cfg))
         return 0
@@ -117,16 +120,13 @@ def _policy_from_state(cfg, obs_spec, action_dim, weights):
     return policy.eval()
 
 
-def _checkpointed(overrides: list[str], required: bool):
+def _checkpointed(overrides: list[str]):
     """(config, checkpoint state or None, checkpoint path or None) for eval / record."""
     from embodied.checkpoint import load_checkpoint, resolve_checkpoint
     from embodied.config import compose
 
     ckpt, rest = _split(overrides, "checkpoint")
     if ckpt is None:
-        if required:
-            raise UserError("No checkpoint given: pass checkpoint=<run_dir or .pt file> "
-                            "(a run directory printed by `embodied train`).")
         return compose(rest), None, None
     path = resolve_checkpoint(ckpt)
     state = load_checkpoint(path)
@@ -142,22 +142,44 @@ def _out_dir(cfg, ckpt_path: Path | None, name: str) -> Path:
 
 
 def cmd_eval(overrides: list[str]) -> int:
-    from embodied.evaluate import summarize, write_eval
+    """Run the env backend's evaluation protocol; without a checkpoint, the policy as built
+    (``policy=random``: the random baseline). Writes eval.json, eval.md and videos/."""
+    from embodied.evaluate import summarize, video_episodes, write_episode_video, write_eval
     from embodied.runner import Workers
+    from envs.registry import check_env_config, seed_scheme
 
-    cfg, state, path = _checkpointed(overrides, required=True)
+    cfg, state, path = _checkpointed(overrides)
+    check_env_config(cfg.env)
+    if cfg.eval.trials_per_task < 1:
+        raise UserError(f"eval.trials_per_task={cfg.eval.trials_per_task}: run at least 1 trial per task.")
     out_dir = _out_dir(cfg, path, "eval")
+    seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
+    record = video_episodes(seeds, cfg.env, cfg.eval.videos_per_task)
+    if state is None:
+        print(f"note: no checkpoint given: evaluating policy={cfg.policy.name} as initialised", file=sys.stderr)
     t0 = time.perf_counter()
     workers = Workers(cfg)
     try:
-        workers.load_actor_state(state["actor"], weights_only=True)
-        rows = workers.evaluate(cfg.eval.episodes, cfg.eval.seed, cfg.eval.deterministic)
+        if state is not None:
+            workers.load_actor_state(state["actor"], weights_only=True)
+        rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
+        max_steps = workers.max_episode_steps
     finally:
         workers.shutdown()
-    summary = summarize(rows, cfg.env.task)
-    summary["checkpoint"] = str(path)
-    summary["wall_s"] = time.perf_counter() - t0
-    print(write_eval(out_dir, summary))
+    summary = summarize(rows, cfg.env)
+    wall_s = time.perf_counter() - t0
+    env_steps = max_steps * cfg.env.num_envs * math.ceil(len(seeds) / cfg.env.num_envs)  # padding included
+    summary.update(checkpoint=str(path) if path else None, policy=cfg.policy.name, wall_s=wall_s,
+                   env_steps=env_steps, env_steps_per_s=env_steps / wall_s, num_envs=cfg.env.num_envs)
+    table = write_eval(out_dir, summary)
+    for k, video in sorted(videos.items()):
+        row = rows[k]
+        index, name = seed_scheme(cfg.env).task_of(cfg.env, row["seed"])
+        write_episode_video(out_dir / "videos" / f"task_{index:03d}_episode_{k}_seed_{row['seed']}.mp4", video,
+                            caption=name.replace("_", " "))
+    print(table)
+    print(f"{len(rows)} episodes in {wall_s:.0f} s ({env_steps / wall_s:.1f} env-steps/s with "
+          f"{cfg.env.num_envs} envs); {len(videos)} videos in {out_dir / 'videos'}")
     print(out_dir.resolve())
     return 0
 
@@ -165,7 +187,7 @@ def cmd_eval(overrides: list[str]) -> int:
 def cmd_record(overrides: list[str]) -> int:
     from embodied.evaluate import record_videos
 
-    cfg, state, path = _checkpointed(overrides, required=False)
+    cfg, state, path = _checkpointed(overrides)
     policy = None
     if state is not None:
         policy = _policy_from_state(cfg, state["obs_spec"], state["action_dim"], state["actor"]["policy"])

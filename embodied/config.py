@@ -58,10 +58,11 @@ class AlgorithmConfig:
     anneal_lr: bool = False  # linearly decay lr to 0 over runner.total_env_steps
     gamma: float = 0.8
     gae_lambda: float = 0.9
-    rollout_steps: int = 50  # env steps per env per iteration
+    rollout_steps: int | None = 50  # env steps per env per iteration; None: the env's max_episode_steps
     update_epochs: int = 4
     num_minibatches: int = 8
     clip_coef: float = 0.2
+    clip_coef_high: float | None = None  # upper ratio clip 1 + this (asymmetric, "clip-higher"); None: clip_coef
     clip_vloss: bool = False
     vf_coef: float = 0.5
     ent_coef: float = 0.0
@@ -72,6 +73,11 @@ class AlgorithmConfig:
     # convention: success ends an episode only to reset the env, its value carries on),
     # "time_limit" (truncations only: terminations are true terminal states) or "none"
     bootstrap: str = "all_ends"
+    # GRPO (advantage: grpo): envs per group. Every iteration the envs are reset, a group's envs
+    # from one initial state (one seed), and each env's first episode is scored by its outcome
+    # (its return) against its group's: A = (R - mean) / (std + 1e-6); later steps are not trained on
+    group_size: int = 1
+    filter_uniform_groups: bool = False  # GRPO: drop groups whose episodes all scored the same (A = 0)
 
 
 @dataclass
@@ -111,10 +117,12 @@ class RayConfig:
 
 @dataclass
 class EvalConfig:
-    episodes: int = 100  # at least this many (rounded up to whole env batches)
-    seed: int = 1_000_000  # episode k is reset with seed + k
+    episodes: int = 100  # ManiSkill: episodes, seeds seed, seed + 1, ... (LIBERO: see trials_per_task)
+    seed: int = 1_000_000  # ManiSkill: episode k is reset with seed + k
+    trials_per_task: int = 50  # LIBERO: episodes per task, from its first N stored init states (50 = all)
     deterministic: bool = True  # mean action instead of a sample
     video_episodes: int = 2  # videos recorded by `train` at its end and by `record`
+    videos_per_task: int = 1  # `eval`: videos of each task's first episodes, recorded during the eval
 
 
 @dataclass

@@ -1,10 +1,12 @@
-"""Evaluation results (success_once, success_at_end, return) as JSON and markdown, and videos.
+"""Evaluation results (success_once, success_at_end, return), per task, as JSON and markdown; videos.
 
-Protocol (ManiSkill): each episode is reset with a recorded seed (``eval.seed + k``
-for episode ``k``) and runs the task's full time limit, success or not
-(terminations are ignored); ``success_once`` counts episodes successful at any
-step, ``success_at_end`` those successful at their last step. Actions are the
-policy's mean unless ``eval.deterministic=false``.
+Protocol: every episode is named by a seed from the env backend's
+:class:`~envs.registry.SeedScheme` (ManiSkill: ``eval.seed + k`` for episode ``k``;
+LIBERO: each task's first ``eval.trials_per_task`` stored init states, see
+docs/libero_protocol.md), runs exactly once, and runs the task's full time limit,
+success or not (terminations are ignored); ``success_once`` counts episodes
+successful at any step, ``success_at_end`` those successful at their last step.
+Actions are the policy's mean unless ``eval.deterministic=false``.
 """
 
 from __future__ import annotations
@@ -12,34 +14,71 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from envs.registry import seed_scheme
 from envs.video import VideoRecorder
 
 
-def summarize(rows: list[dict], task: str) -> dict:
-    """Aggregate per-episode rows into the eval summary written to eval.json."""
+def _means(rows: list[dict]) -> dict:
     n = len(rows)
 
     def mean(key: str) -> float:
         return sum(float(r[key]) for r in rows) / n if n else 0.0
 
     return {
-        "task": task,
         "episodes": n,
         "success_once": mean("success_once"),
         "success_at_end": mean("success_at_end"),
         "return_mean": mean("return"),
         "episode_length_mean": mean("length"),
+        "errors": sum(bool(r.get("error")) for r in rows),  # episodes ended by a crashed env process
+    }
+
+
+def per_task(rows: list[dict], env_cfg) -> list[dict]:
+    """One summary per task, in task order (the seed scheme names each episode's task)."""
+    scheme = seed_scheme(env_cfg)
+    by_task: dict[tuple[int, str], list[dict]] = {}
+    for row in rows:
+        by_task.setdefault(scheme.task_of(env_cfg, row["seed"]), []).append(row)
+    return [{"task_index": index, "task": name, **_means(task_rows)}
+            for (index, name), task_rows in sorted(by_task.items())]
+
+
+def summarize(rows: list[dict], env_cfg) -> dict:
+    """Aggregate per-episode rows into the eval summary written to eval.json.
+
+    ``tasks`` holds one row per task; ``suite_mean`` is the mean of the per-task
+    ``success_once`` (equal to the overall rate when every task ran as many trials).
+    """
+    tasks = per_task(rows, env_cfg)
+    return {
+        "task": env_cfg.task,
+        **_means(rows),
+        "suite_mean": sum(t["success_once"] for t in tasks) / len(tasks) if tasks else 0.0,
+        "tasks": tasks,
         "seeds": [r["seed"] for r in rows],
         "rows": rows,
     }
 
 
 def markdown_table(summary: dict) -> str:
+    """One row per task (when there are several), then the whole suite."""
     head = "| task | episodes | success_once | success_at_end | return_mean |\n|---|---:|---:|---:|---:|\n"
-    return head + (f"| {summary['task']} | {summary['episodes']} | {summary['success_once']:.3f} | "
-                   f"{summary['success_at_end']:.3f} | {summary['return_mean']:.2f} |\n")
+
+    def line(name: str, s: dict) -> str:
+        return (f"| {name} | {s['episodes']} | {s['success_once']:.3f} | {s['success_at_end']:.3f} | "
+                f"{s['return_mean']:.2f} |\n")
+
+    tasks = summary.get("tasks", [])
+    body = "".join(line(f"{t['task_index']}: {t['task']}", t) for t in tasks) if len(tasks) > 1 else ""
+    total = line(f"**{summary['task']}**" if body else summary["task"], summary)
+    footer = f"\nsuite mean (per-task success_once averaged): {summary['suite_mean']:.3f}\n" if body else ""
+    if summary.get("errors"):
+        footer += f"\n{summary['errors']} episode(s) ended failed-by-error (an env process crashed or hung).\n"
+    return head + body + total + footer
 
 
 def write_eval(out_dir: Path, summary: dict) -> str:
@@ -49,6 +88,31 @@ def write_eval(out_dir: Path, summary: dict) -> str:
     table = markdown_table(summary)
     (out_dir / "eval.md").write_text(table)
     return table
+
+
+def video_episodes(seeds: list[int], env_cfg, per_task: int) -> set[int]:
+    """Indices of each task's first ``per_task`` episodes in ``seeds``."""
+    scheme, taken, chosen = seed_scheme(env_cfg), {}, set()
+    for k, seed in enumerate(seeds):
+        task = scheme.task_of(env_cfg, seed)
+        if taken.get(task, 0) < per_task:
+            taken[task] = taken.get(task, 0) + 1
+            chosen.add(k)
+    return chosen
+
+
+def write_episode_video(path: Path, video: dict, caption: str = "", min_height: int = 256) -> Path:
+    """Write frames recorded during an eval (``EnvWorker.evaluate``) as an annotated mp4.
+
+    Small camera images are scaled up by a whole factor (nearest pixel) so the text fits.
+    """
+    frames = video["frames"]
+    scale = max(1, -(-min_height // frames.shape[1]))
+    recorder = VideoRecorder(path)
+    for step, (frame, reward, success) in enumerate(zip(frames, video["rewards"], video["successes"], strict=True)):
+        big = np.repeat(np.repeat(frame, scale, axis=0), scale, axis=1)
+        recorder.add(big, step=step, reward=reward, success=success, caption=caption)
+    return recorder.save()
 
 
 @torch.no_grad()

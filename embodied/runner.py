@@ -12,15 +12,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from embodied.algorithms.advantages import ADVANTAGES
+from embodied.algorithms.advantages import ADVANTAGES, OUTCOME_ADVANTAGES
 from embodied.algorithms.losses import LOSSES
 from embodied.checkpoint import save_checkpoint
 from embodied.config import TrainConfig, to_yaml
+from embodied.errors import UserError
 from embodied.evaluate import summarize
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
 from embodied.workers.rollout_worker import BOOTSTRAP_MASKS, RolloutWorker
-from envs.registry import check_env_config
+from envs.registry import check_env_config, seed_scheme
 from envs.subproc import EnvCrashedError
 from policies.registry import check_policy_name
 from scheduler.channel import Channel
@@ -29,7 +30,7 @@ from scheduler.context_switch import ContextSwitcher
 from scheduler.placement import check_placement, make_plan
 from scheduler.worker import WorkerGroup
 
-VALIDATION_SEED_OFFSET = 10_000_000  # periodic evals use eval.seed + this + k
+VALIDATION_SEED_OFFSET = 10_000_000  # periodic evals start episode slots from eval.seed + this
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Workers:
                                (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap)):
             registry.get(name)
         check_placement(cfg.placement, cfg.env.num_envs)
+        _check_groups(cfg)
         start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         self.plan = plan = make_plan(cfg.placement, cluster_devices(), num_envs=cfg.env.num_envs)
         threads, stages = cfg.placement.torch_threads, plan.pipeline_stages
@@ -64,6 +66,8 @@ class Workers:
         spec = self.env.call("spec")[0]
         self.obs_spec, self.action_dim = spec["obs_spec"], spec["action_dim"]
         self.max_episode_steps = spec["max_episode_steps"]
+        self.steps_per_rollout = cfg.algorithm.rollout_steps or self.max_episode_steps
+        _check_episode_fits(cfg, self.steps_per_rollout, self.max_episode_steps)
         common = dict(policy_cfg=cfg.policy, algorithm_cfg=cfg.algorithm,
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
         self.rollout = WorkerGroup(RolloutWorker, "rollout", plan, threads, num_env_workers=len(self.env),
@@ -167,22 +171,45 @@ class Workers:
         self._weights_stale = True
         return stats, {"update_s": time.perf_counter() - t0, **{f"train_{k}": v for k, v in switch.items()}}
 
-    def evaluate(self, episodes: int, seed: int, deterministic: bool) -> list[dict]:
-        """Run at least ``episodes`` fixed-horizon episodes, seeds ``seed, seed+1, ...``."""
+    def evaluate(self, seeds: list[int], deterministic: bool, record: set[int] | frozenset = frozenset(),
+                 progress: bool = False) -> tuple[list[dict], dict]:
+        """Run one fixed-horizon episode per seed, each exactly once.
+
+        Env ``j`` of the whole batch runs the ``j``-th block of consecutive seeds (an env
+        that changes task mid-block, as LIBERO's, rebuilds its scene only at task borders);
+        the last round is padded with repeats that are run but not reported. Returns
+        ``(rows, videos)``: a row per seed, in ``seeds`` order (``episode`` = its index),
+        and the frames of the episodes whose index is in ``record``. ``progress``: a bar
+        over episodes on stderr.
+        """
+        import sys
+
         import ray
+        from tqdm import tqdm
 
         self.prepare_generation()  # evaluate the actor's current policy, not the last one rolled out
-        num_envs = self.envs_per_worker * len(self.env)
+        num_envs, per_rank = self.envs_per_worker * len(self.env), self.envs_per_worker
+        rounds = math.ceil(len(seeds) / num_envs)
         rows: list[dict] = []
-        for round_ in range(math.ceil(episodes / num_envs)):
-            base = seed + round_ * num_envs
-            seeds = [[base + r * self.envs_per_worker + i for i in range(self.envs_per_worker)]
-                     for r in range(len(self.env))]
-            env_refs = self.env.call_async("evaluate", per_rank_args=[(s, self.channel) for s in seeds])
+        videos: dict = {}
+        bar = tqdm(total=len(seeds), unit="episode", desc="eval", disable=not progress, file=sys.stderr,
+                   dynamic_ncols=True)
+        for k in range(rounds):
+            ids = [j * rounds + k for j in range(num_envs)]  # env j: episodes j*rounds ... (j+1)*rounds - 1
+            ids = [i if i < len(seeds) else -1 for i in ids]
+            batch = [seeds[i] if i >= 0 else seeds[-1] for i in ids]
+            args = [(batch[r * per_rank:(r + 1) * per_rank], ids[r * per_rank:(r + 1) * per_rank],
+                     [i in record for i in ids[r * per_rank:(r + 1) * per_rank]], self.channel)
+                    for r in range(len(self.env))]
+            env_refs = self.env.call_async("evaluate", per_rank_args=args)
             serve = self.rollout.call_async("serve_eval", self.max_episode_steps, self.channel, deterministic)
-            rows += [row for part in ray.get(env_refs) for row in part]
+            for part in ray.get(env_refs):
+                rows += part["rows"]
+                videos.update(part["videos"])
+                bar.update(len(part["rows"]))
             ray.get(serve)
-        return sorted(rows, key=lambda r: r["seed"])
+        bar.close()
+        return sorted(rows, key=lambda r: r["episode"]), videos
 
     def shutdown(self) -> None:
         try:
@@ -191,6 +218,26 @@ class Workers:
             pass  # a crashed env worker has nothing left to close
         for group in (self.env, self.rollout, self.actor):
             group.shutdown()
+
+
+def _check_groups(cfg: TrainConfig) -> None:
+    """GRPO compares the envs of a group: at least two, all in one micro-batch."""
+    algo = cfg.algorithm
+    if algo.advantage not in OUTCOME_ADVANTAGES:
+        return
+    micro_batch = cfg.env.num_envs // (cfg.placement.env_workers * cfg.placement.pipeline_stages)
+    if algo.group_size < 2 or micro_batch % algo.group_size:
+        raise UserError(f"algorithm.group_size={algo.group_size}: GRPO compares the envs of a group, so it "
+                        f"needs at least 2 per group, and groups must not span env workers or pipeline "
+                        f"stages ({micro_batch} envs each here). Pick a group size >= 2 that divides {micro_batch}.")
+
+
+def _check_episode_fits(cfg: TrainConfig, rollout_steps: int, max_episode_steps: int) -> None:
+    """GRPO scores whole episodes: each must end within one iteration."""
+    if cfg.algorithm.advantage in OUTCOME_ADVANTAGES and rollout_steps < max_episode_steps:
+        raise UserError(f"algorithm.rollout_steps={rollout_steps} is shorter than an episode "
+                        f"({max_episode_steps} steps): GRPO needs every episode to end within an iteration. "
+                        "Set algorithm.rollout_steps=null (one whole episode) or raise it.")
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -214,7 +261,9 @@ class Trainer:
             self.workers.load_actor_state(resume_from["actor"])
         elif warm_start:
             self.workers.load_actor_state(warm_start["actor"], weights_only=True)
-        self.steps_per_iteration = cfg.algorithm.rollout_steps * cfg.env.num_envs
+        self.steps_per_iteration = self.workers.steps_per_rollout * cfg.env.num_envs
+        # GRPO: every iteration starts fresh episodes, a group's envs from one initial state
+        self.episodic = cfg.algorithm.advantage in OUTCOME_ADVANTAGES
         self.total_iterations = math.ceil(cfg.runner.total_env_steps / self.steps_per_iteration)
         self.log = RunLogger(run_dir, cfg.runner.total_env_steps, self.progress.env_steps, cfg.runner.progress)
         self.log.note("placement", self.workers.plan.describe())
@@ -250,8 +299,7 @@ class Trainer:
     def train(self) -> dict:
         """Train to ``runner.total_env_steps`` (or ``runner.max_minutes``), then evaluate."""
         cfg, p = self.cfg, self.progress
-        # a resumed run gets fresh env seeds, not a replay of its first iterations
-        self.workers.env.call("reset", seed=cfg.runner.seed + 1_000 * p.iteration)
+        self._reset_envs()
         try:
             eval_history: list[float] = []
             while (p.iteration < self.total_iterations and not self._time_is_up()
@@ -270,12 +318,20 @@ class Trainer:
         self.log.close_progress()
         return self.final_eval()
 
+    def _reset_envs(self) -> None:
+        """New training episodes, seeded by the iteration: a resumed run does not replay its first ones."""
+        seed = self.cfg.runner.seed + 1_000 * self.progress.iteration
+        group = self.cfg.algorithm.group_size if self.episodic else 1
+        self.workers.env.call("reset", seed=seed, group_size=group)
+
     def _iterate(self) -> None:
         p = self.progress
         self._set_lr()
         t0 = time.perf_counter()
+        if self.episodic:
+            self._reset_envs()
         sync = self.workers.prepare_generation()
-        episodes, trajectories, times = self.workers.rollout_steps(self.cfg.algorithm.rollout_steps)
+        episodes, trajectories, times = self.workers.rollout_steps(self.workers.steps_per_rollout)
         stats, update_times = self.workers.update(trajectories)
         t2 = time.perf_counter()
         p.iteration += 1
@@ -303,21 +359,22 @@ class Trainer:
         cfg, p = self.cfg, self.progress
         # validation seeds, disjoint from the final evaluation's: stopping early on the
         # episodes that are then reported would flatter the result
-        rows = self.workers.evaluate(cfg.env.num_envs, cfg.eval.seed + VALIDATION_SEED_OFFSET,
-                                     cfg.eval.deterministic)
+        scheme = seed_scheme(cfg.env)
+        seeds = [scheme.train_seed(cfg.env, cfg.eval.seed + VALIDATION_SEED_OFFSET, k) for k in range(cfg.env.num_envs)]
+        rows, _ = self.workers.evaluate(seeds, cfg.eval.deterministic)
         success = _mean(rows, "success_once")
         self.log.scalars({"eval/success_once": success, "eval/success_at_end": _mean(rows, "success_at_end"),
                           "eval/return": _mean(rows, "return")}, p.env_steps)
         if success >= 0.9 and p.solved_at_seconds is None:
             p.solved_at_seconds = p.train_seconds + elapsed
             self.log.scalars({"time/solved_minutes": p.solved_at_seconds / 60}, p.env_steps)
-        self.workers.env.call("reset", seed=cfg.runner.seed + 1_000 * p.iteration)
+        self._reset_envs()
         return success
 
     def final_eval(self) -> dict:
         cfg = self.cfg
-        rows = self.workers.evaluate(cfg.eval.episodes, cfg.eval.seed, cfg.eval.deterministic)
-        summary = summarize(rows, cfg.env.task)
+        rows, _ = self.workers.evaluate(seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval), cfg.eval.deterministic)
+        summary = summarize(rows, cfg.env)
         summary["training"] = {
             "iterations": self.progress.iteration,
             "env_steps": self.progress.env_steps,

@@ -7,23 +7,28 @@ so the evaluation protocol can hand every (task, init state) pair to exactly one
 env, and GRPO groups can share an init state by sharing a seed. An env switches
 task when a seed names another one (a rebuild, ~5 s), so callers group seeds by task.
 
-Observations: ``rgb`` (agentview, upright), ``wrist_rgb`` (eye in hand, upright),
-``state`` (end-effector position, axis-angle orientation, gripper joint positions:
-8 floats) and ``task`` (the task index; ``instructions[task]`` is its language
-instruction). Actions: 7 floats, delta end-effector pose (OSC_POSE) and gripper,
-in [-1, 1]. Success is the task's own BDDL goal predicate.
+Observations: ``rgb`` (agentview, upright) and ``wrist_rgb`` (eye in hand, upright),
+uint8 ``[H, W, 3]``, unless ``obs_mode=state`` (no cameras, no rendering); ``state``
+(end-effector position, axis-angle orientation, gripper joint positions: 8 floats);
+``task`` (one-hot float32 ``[num_tasks]``) and ``instruction`` (the task's language
+instruction, UTF-8, zero-padded: uint8 ``[INSTRUCTION_BYTES]``; :func:`decode_instruction`).
+Actions: 7 floats, delta end-effector pose (OSC_POSE) and gripper, in [-1, 1].
+Success is the task's own BDDL goal predicate. The evaluation protocol is
+docs/libero_protocol.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from envs.registry import register_env
+from envs.registry import SeedScheme, register_env
 from envs.subproc import SubprocVecEnv
 
 INIT_STRIDE = 1000  # seeds per task: init states 0..999
@@ -33,6 +38,8 @@ MAX_STEPS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "l
              "libero_90": 400, "libero_130": 520}
 SETTLE_STEPS = 10  # no-op steps after placing the init state: objects fall into place
 NOOP_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float32)  # gripper open
+INSTRUCTION_BYTES = 128  # the longest LIBERO instruction (libero_90) has 87
+OBS_MODES = ("rgb", "state")
 
 
 def _configure_paths() -> None:
@@ -50,6 +57,19 @@ def decode_seed(seed: int) -> tuple[int, int]:
     return divmod(int(seed), INIT_STRIDE)
 
 
+def encode_instruction(text: str) -> np.ndarray:
+    data = text.encode()[:INSTRUCTION_BYTES]
+    out = np.zeros(INSTRUCTION_BYTES, dtype=np.uint8)
+    out[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return out
+
+
+def decode_instruction(row) -> str:
+    """``obs["instruction"][i]`` (numpy or torch uint8 ``[INSTRUCTION_BYTES]``) -> the text."""
+    data = bytes(np.asarray(row, dtype=np.uint8).tolist())
+    return data.rstrip(b"\0").decode()
+
+
 @dataclass(frozen=True)
 class LiberoTask:
     name: str
@@ -58,21 +78,29 @@ class LiberoTask:
     init_states: np.ndarray  # [N, state_dim]
 
 
-def suite_tasks(suite: str) -> list[LiberoTask]:
+@functools.cache
+def suite_tasks(suite: str) -> tuple[LiberoTask, ...]:
     """The suite's tasks in the benchmark's order; ``libero_130`` is libero_90 then libero_10."""
     _configure_paths()
     if suite == "libero_130":
         return suite_tasks("libero_90") + suite_tasks("libero_10")
     from libero.libero import benchmark, get_libero_path
 
-    bench = benchmark.get_benchmark_dict()[suite]()
+    with contextlib.redirect_stdout(io.StringIO()):  # the package prints its task order on every load
+        bench = benchmark.get_benchmark_dict()[suite]()
     root = Path(get_libero_path("bddl_files"))
     tasks = []
     for i in range(bench.n_tasks):
         task = bench.get_task(i)
         tasks.append(LiberoTask(task.name, task.language, str(root / task.problem_folder / task.bddl_file),
                                 np.asarray(bench.get_task_init_states(i))))
-    return tasks
+    return tuple(tasks)
+
+
+@functools.cache
+def init_state_counts(suite: str) -> tuple[int, ...]:
+    """Stored init states per task of ``suite`` (50 each in every published suite)."""
+    return tuple(len(task.init_states) for task in suite_tasks(suite))
 
 
 @dataclass(frozen=True)
@@ -81,6 +109,7 @@ class LiberoSpec:
     image_size: int
     max_episode_steps: int
     settle_steps: int = SETTLE_STEPS
+    cameras: bool = True  # False (obs_mode=state): no images, no offscreen rendering
 
 
 def _axis_angle(quat_xyzw: np.ndarray) -> np.ndarray:
@@ -107,27 +136,33 @@ class LiberoEnv:
         self.obs_spec = {k: (v.shape, v.dtype) for k, v in first.items()}
 
     def _build(self, task_index: int) -> None:
-        from libero.libero.envs import OffScreenRenderEnv
+        from libero.libero.envs.env_wrapper import ControlEnv
 
         if self.env is not None:
             self.env.close()
-        size = self.spec.image_size
+        size, cameras = self.spec.image_size, self.spec.cameras
         # hard_reset=False: a reset keeps the MuJoCo model (0.03-0.4 s instead of 3-6 s)
-        self.env = OffScreenRenderEnv(bddl_file_name=self.tasks[task_index].bddl_file,
-                                      camera_heights=size, camera_widths=size, hard_reset=False)
+        self.env = ControlEnv(bddl_file_name=self.tasks[task_index].bddl_file, has_renderer=False,
+                              has_offscreen_renderer=cameras, use_camera_obs=cameras,
+                              camera_heights=size, camera_widths=size, hard_reset=False)
         self.env.reset()  # creates the offscreen render context
-        _fast_rendering(self.env.sim, size)
+        if cameras:
+            _fast_rendering(self.env.sim, size)
         self.task_index = task_index
+        self.task_one_hot = np.eye(len(self.tasks), dtype=np.float32)[task_index]
+        self.instruction = encode_instruction(self.tasks[task_index].instruction)
 
     def _obs(self, raw: dict) -> dict[str, np.ndarray]:
-        # MuJoCo's offscreen buffer starts at the bottom row: flip rows to get the image upright
-        return {
-            "rgb": np.ascontiguousarray(raw["agentview_image"][::-1]),
-            "wrist_rgb": np.ascontiguousarray(raw["robot0_eye_in_hand_image"][::-1]),
-            "state": np.concatenate([raw["robot0_eef_pos"], _axis_angle(raw["robot0_eef_quat"]),
-                                     raw["robot0_gripper_qpos"]]).astype(np.float32),
-            "task": np.array([self.task_index], dtype=np.int64),
-        }
+        obs = {}
+        if self.spec.cameras:
+            # MuJoCo's offscreen buffer starts at the bottom row: flip rows to get the image upright
+            obs["rgb"] = np.ascontiguousarray(raw["agentview_image"][::-1])
+            obs["wrist_rgb"] = np.ascontiguousarray(raw["robot0_eye_in_hand_image"][::-1])
+        obs["state"] = np.concatenate([raw["robot0_eef_pos"], _axis_angle(raw["robot0_eef_quat"]),
+                                       raw["robot0_gripper_qpos"]]).astype(np.float32)
+        obs["task"] = self.task_one_hot
+        obs["instruction"] = self.instruction
+        return obs
 
     def reset(self, seed: int | None) -> dict[str, np.ndarray]:
         """Start the episode ``seed`` names: its task's stored init state, then the settle steps."""
@@ -146,14 +181,24 @@ class LiberoEnv:
         raw = self.env.set_init_state(states[init_index % len(states)])
         for _ in range(self.spec.settle_steps):
             raw, _, _, _ = self.env.step(NOOP_ACTION)
+        self.steps = 0  # the settle steps do not count against the episode's limit
         return self._obs(raw)
 
+    def auto_reset_seed(self, last_seed: int, entropy: int) -> int:
+        """The next training episode of this env: same task (no rebuild), another init state."""
+        task_index, _ = decode_seed(last_seed)
+        return episode_seed(task_index, entropy % len(self.tasks[task_index].init_states))
+
     def step(self, action: np.ndarray):
+        """-> (obs, reward, terminated = success, truncated = time limit reached, success)"""
         raw, reward, _, _ = self.env.step(np.clip(action, -1.0, 1.0))
+        self.steps += 1
         success = bool(self.env.check_success())
-        return self._obs(raw), float(reward), success, False, success
+        return self._obs(raw), float(reward), success, self.steps >= self.max_episode_steps, success
 
     def render(self) -> np.ndarray:
+        if not self.spec.cameras:
+            raise RuntimeError("LIBERO with obs_mode=state has no cameras: use obs_mode=rgb for videos")
         return self._obs(self.env.env._get_observations())["rgb"]
 
     def close(self) -> None:
@@ -178,17 +223,41 @@ def _make_libero_env(spec: LiberoSpec, env_index: int) -> LiberoEnv:
     return LiberoEnv(spec)
 
 
+class LiberoSeeds(SeedScheme):
+    """Seeds name (task, init state) pairs: see :func:`episode_seed`."""
+
+    def train_seed(self, env_cfg, base: int, index: int) -> int:
+        """Slot ``index`` works on task ``index % num_tasks`` from a seeded-random init state."""
+        counts = init_state_counts(env_cfg.task)
+        task_index = index % len(counts)
+        entropy = int(np.random.SeedSequence([base, index]).generate_state(1)[0])
+        return episode_seed(task_index, entropy % counts[task_index])
+
+    def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
+        """Task by task, its first ``eval.trials_per_task`` stored init states."""
+        return [episode_seed(t, i) for t, count in enumerate(init_state_counts(env_cfg.task))
+                for i in range(min(eval_cfg.trials_per_task, count))]
+
+    def task_of(self, env_cfg, seed: int) -> tuple[int, str]:
+        task_index = decode_seed(seed)[0]
+        return task_index, suite_tasks(env_cfg.task)[task_index].name
+
+
 def validate_libero(cfg) -> None:
-    from embodied.errors import unknown_name_error
+    from embodied.errors import UserError, unknown_name_error
 
     if cfg.task not in SUITES:
         raise unknown_name_error("LIBERO suite (env.task)", cfg.task, list(SUITES))
+    if cfg.obs_mode not in OBS_MODES:
+        raise UserError(f"env.obs_mode={cfg.obs_mode!r} is not a LIBERO observation mode: use 'rgb' "
+                        "(agentview + wrist images) or 'state' (no cameras, no rendering).")
 
 
-@register_env("libero", validate=validate_libero)
+@register_env("libero", validate=validate_libero, seeds=LiberoSeeds())
 def make_libero(cfg, num_envs: int, num_procs: int):
     """One LIBERO env per process (``num_procs`` is raised to ``num_envs``: MuJoCo scenes are
     heavy and render on the CPU, so envs never share a process)."""
-    spec = LiberoSpec(cfg.task, cfg.image_size, cfg.max_episode_steps or MAX_STEPS[cfg.task])
+    spec = LiberoSpec(cfg.task, cfg.image_size, cfg.max_episode_steps or MAX_STEPS[cfg.task],
+                      cameras=cfg.obs_mode == "rgb")
     return SubprocVecEnv(functools.partial(_make_libero_env, spec), num_envs, max(num_procs, num_envs),
                          timeout_s=cfg.timeout_s, restart_crashed=cfg.restart_crashed)

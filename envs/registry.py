@@ -16,16 +16,42 @@ from embodied.registry import Registry
 ENV_BACKENDS: dict[str, Callable] = {}
 ENV_VALIDATORS: dict[str, Callable] = {}
 
+
+class SeedScheme:
+    """How a backend names episodes with seeds; the default suits procedurally generated tasks
+    (ManiSkill), where any integer seed is a fresh initial state of the one task.
+
+    A backend with a fixed set of stored initial states (LIBERO) overrides these to map
+    seeds onto (task, init state) pairs.
+    """
+
+    def train_seed(self, env_cfg, base: int, index: int) -> int:
+        """Seed of the ``index``-th training episode slot (an env, or a GRPO group) after a reset."""
+        return base + index
+
+    def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
+        """The evaluation protocol's episodes, each run exactly once, in order."""
+        return [eval_cfg.seed + k for k in range(eval_cfg.episodes)]
+
+    def task_of(self, env_cfg, seed: int) -> tuple[int, str]:
+        """(task index, task name) of the episode ``seed`` (for per-task tables)."""
+        return 0, env_cfg.task
+
+
+ENV_SEED_SCHEMES: dict[str, SeedScheme] = {}
+
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
 _BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero"})
 
 
-def register_env(name: str, validate: Callable | None = None) -> Callable:
-    """Register a backend; ``validate(env_cfg)`` raises UserError for bad names before any sim starts."""
+def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None) -> Callable:
+    """Register a backend; ``validate(env_cfg)`` raises UserError for bad names before any sim
+    starts; ``seeds`` says how its episodes are named by seeds (default :class:`SeedScheme`)."""
 
     def decorator(fn: Callable) -> Callable:
         ENV_BACKENDS[name] = fn
+        ENV_SEED_SCHEMES[name] = seeds or SeedScheme()
         if validate is not None:
             ENV_VALIDATORS[name] = validate
         return fn
@@ -42,6 +68,11 @@ def check_env_config(env_cfg) -> None:
     _load_backend(env_cfg)
     if env_cfg.backend in ENV_VALIDATORS:
         ENV_VALIDATORS[env_cfg.backend](env_cfg)
+
+
+def seed_scheme(env_cfg) -> SeedScheme:
+    _load_backend(env_cfg)
+    return ENV_SEED_SCHEMES[env_cfg.backend]
 
 
 def make_vec_env(env_cfg, num_envs: int | None = None, num_procs: int | None = None):

@@ -81,12 +81,16 @@ class EnvBatch:
 
     def _auto_reset_seed(self, i: int) -> int | None:
         """Seed of env ``i``'s next episode, derived from its reset seed and episode count:
-        ManiSkill's unseeded resets draw fresh entropy, and seeded runs must repeat exactly."""
+        ManiSkill's unseeded resets draw fresh entropy, and seeded runs must repeat exactly.
+        An env with an ``auto_reset_seed(last_seed, entropy)`` method maps the derived
+        number onto its own seeds (LIBERO: same task, another stored init state)."""
         if self.seeds[i] is None:
             return None
         self.episodes_since_reset[i] += 1
         state = np.random.SeedSequence([self.seeds[i], self.episodes_since_reset[i]]).generate_state(1)
-        return int(state[0] & 0x7FFFFFFF)
+        entropy = int(state[0] & 0x7FFFFFFF)
+        own_scheme = getattr(self.envs[i], "auto_reset_seed", None)
+        return own_scheme(self.seeds[i], entropy) if own_scheme else entropy
 
     def step(self) -> None:
         actions = self.buf["action"]

@@ -32,10 +32,11 @@ class VideoRecorder:
         self.frames: list[np.ndarray] = []
         self.total_reward = 0.0
 
-    def add(self, frame: np.ndarray, step: int, reward: float | None = None, success: bool = False) -> None:
+    def add(self, frame: np.ndarray, step: int, reward: float | None = None, success: bool = False,
+            caption: str = "") -> None:
         if reward is not None:
             self.total_reward += reward
-        lines = [f"step {step}"]
+        lines = ([caption] if caption else []) + [f"step {step}"]
         if reward is not None:
             lines.append(f"reward {reward:+.3f}  return {self.total_reward:.2f}")
         lines.append("success" if success else "")

@@ -92,6 +92,19 @@ def mlp(sizes: list[int], activation: str, out_gain: float | None = None) -> nn.
     return nn.Sequential(*layers)
 
 
+VECTOR_KEYS = ("state", "task")  # flat float observations a policy concatenates (task: one-hot)
+
+
+def vector_dim(obs_spec: dict) -> int:
+    """Width of :func:`vector_obs` for observations ``obs_spec`` (0 if it has none)."""
+    return sum(obs_spec[k][0][0] for k in VECTOR_KEYS if k in obs_spec)
+
+
+def vector_obs(obs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``state`` (and ``task``, the one-hot task of a multi-task suite) as one ``[B, D]`` tensor."""
+    return torch.cat([obs[k].float() for k in VECTOR_KEYS if k in obs], dim=-1)
+
+
 class GaussianActorCritic(nn.Module):
     """Base class: subclasses define ``actor_mean(obs)`` and ``value(obs)``."""
 

@@ -1,11 +1,20 @@
-"""CNN actor-critic for pixels: ``obs["rgb"]: uint8[B, H, W, C]`` (+ optional ``obs["state"]``)."""
+"""CNN actor-critic for pixels: ``obs["rgb"]: uint8[B, H, W, C]`` (+ optional ``obs["state"]`` and
+one-hot ``obs["task"]``; other keys, such as LIBERO's wrist camera, are not used)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from policies.base import Conv2d, GaussianActorCritic, Linear, layer_init, mlp
+from policies.base import (
+    Conv2d,
+    GaussianActorCritic,
+    Linear,
+    layer_init,
+    mlp,
+    vector_dim,
+    vector_obs,
+)
 from policies.registry import POLICIES
 
 
@@ -45,7 +54,7 @@ class CNNActorCritic(GaussianActorCritic):
         h, w, c = obs_spec["rgb"][0]
         self.encoder = ConvEncoder(c, (h, w), list(cfg.cnn_channels), cfg.feature_dim)
         feat = cfg.feature_dim
-        self.state_dim = obs_spec["state"][0][0] if "state" in obs_spec else 0
+        self.state_dim = vector_dim(obs_spec)
         if self.state_dim:
             self.state_encoder = mlp([self.state_dim, feat], cfg.activation)
             feat += feat
@@ -56,7 +65,7 @@ class CNNActorCritic(GaussianActorCritic):
     def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         feats = self.encoder(obs["rgb"])
         if self.state_dim:
-            feats = torch.cat([feats, torch.relu(self.state_encoder(obs["state"]))], dim=-1)
+            feats = torch.cat([feats, torch.relu(self.state_encoder(vector_obs(obs)))], dim=-1)
         return feats
 
     def actor_mean(self, obs):

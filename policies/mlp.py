@@ -1,10 +1,10 @@
-"""MLP actor-critic for flat state observations ``obs["state"]: float32[B, D]``."""
+"""MLP actor-critic for flat observations: ``obs["state"]: float32[B, D]`` (and a one-hot ``obs["task"]``)."""
 
 from __future__ import annotations
 
 import torch
 
-from policies.base import GaussianActorCritic, mlp
+from policies.base import GaussianActorCritic, mlp, vector_dim, vector_obs
 from policies.registry import POLICIES
 
 
@@ -14,13 +14,13 @@ class MLPActorCritic(GaussianActorCritic):
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__(action_dim, cfg.log_std_init)
-        (state_dim,) = obs_spec["state"][0]
+        state_dim = vector_dim(obs_spec)
         hidden = list(cfg.hidden_sizes)
         self.actor = mlp([state_dim, *hidden, action_dim], cfg.activation, out_gain=0.01 * 2**0.5)
         self.critic = mlp([state_dim, *hidden, 1], cfg.activation, out_gain=1.0)
 
     def actor_mean(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.actor(obs["state"])
+        return self.actor(vector_obs(obs))
 
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.critic(obs["state"]).squeeze(-1)
+        return self.critic(vector_obs(obs)).squeeze(-1)

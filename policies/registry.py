@@ -10,6 +10,7 @@ POLICIES = Registry("policy (policy.name / policy=...)")
 def _import_policies() -> None:
     import policies.cnn  # noqa: F401  (each module registers its policies)
     import policies.mlp  # noqa: F401
+    import policies.random  # noqa: F401
 
 
 def check_policy_name(name: str) -> None:
@@ -22,3 +23,13 @@ def make_policy(policy_cfg, obs_spec: dict, action_dim: int):
     """Build the policy ``policy_cfg.name`` for observations ``obs_spec`` and ``action_dim`` actions."""
     _import_policies()
     return POLICIES.get(policy_cfg.name)(policy_cfg, obs_spec, action_dim)
+
+
+def check_trainable(name: str) -> None:
+    """Raise a UserError if the policy ``name`` cannot be trained (``policy=random``)."""
+    from embodied.errors import UserError
+
+    check_policy_name(name)
+    if not getattr(POLICIES.get(name), "trainable", True):
+        raise UserError(f"policy={name} has nothing to train: it is a baseline for `embodied eval` "
+                        "(e.g. `embodied eval env=libero_spatial policy=random`). Train policy=mlp or policy=cnn.")

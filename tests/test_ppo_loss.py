@@ -8,7 +8,7 @@ import torch
 
 from embodied.algorithms.losses import ppo_loss
 
-CFG = SimpleNamespace(clip_coef=0.2, clip_vloss=False, vf_coef=0.5, ent_coef=0.01)
+CFG = SimpleNamespace(clip_coef=0.2, clip_coef_high=None, clip_vloss=False, vf_coef=0.5, ent_coef=0.01)
 
 
 def test_ppo_loss_hand_checked():

@@ -19,14 +19,16 @@ def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: t
              entropy: torch.Tensor, cfg) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate + (optionally clipped) value loss - entropy bonus.
 
-    ``loss = -mean(min(r A, clip(r, 1-c, 1+c) A)) + vf_coef * 0.5 * mean((V - R)^2)
-    - ent_coef * mean(H)`` with ``r = exp(new_logprob - old_logprob)``.
+    ``loss = -mean(min(r A, clip(r, 1-c, 1+c_high) A)) + vf_coef * 0.5 * mean((V - R)^2)
+    - ent_coef * mean(H)`` with ``r = exp(new_logprob - old_logprob)`` and ``c_high``
+    = ``clip_coef_high`` (asymmetric clipping) or ``clip_coef``.
     """
     log_ratio = new_logprob - old_logprob
     ratio = log_ratio.exp()
+    clip_high = cfg.clip_coef if cfg.clip_coef_high is None else cfg.clip_coef_high
     policy_loss = torch.max(
         -advantages * ratio,
-        -advantages * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef),
+        -advantages * ratio.clamp(1 - cfg.clip_coef, 1 + clip_high),
     ).mean()
     if cfg.clip_vloss:
         clipped = old_value + (new_value - old_value).clamp(-cfg.clip_coef, cfg.clip_coef)
@@ -42,6 +44,6 @@ def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: t
             "entropy": entropy_mean.item(),
             # unbiased KL estimator k3 (Schulman, "Approximating KL divergence")
             "approx_kl": ((ratio - 1) - log_ratio).mean().item(),
-            "clip_fraction": ((ratio - 1).abs() > cfg.clip_coef).float().mean().item(),
+            "clip_fraction": ((ratio < 1 - cfg.clip_coef) | (ratio > 1 + clip_high)).float().mean().item(),
         }
     return loss, stats

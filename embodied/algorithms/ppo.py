@@ -15,32 +15,34 @@ from embodied.algorithms.advantages import ADVANTAGES
 from embodied.algorithms.losses import LOSSES
 
 
-def compute_advantages(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages[T, B], returns[T, B])`` with the estimator ``cfg.advantage``."""
-    fn = ADVANTAGES.get(cfg.advantage)
-    return fn(batch["rewards"], batch["values"], batch["dones"], batch["next_value"],
-              gamma=cfg.gamma, gae_lambda=cfg.gae_lambda)
+def compute_advantages(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(advantages[T, B], returns[T, B], valid[T, B])`` with the estimator ``cfg.advantage``."""
+    return ADVANTAGES.get(cfg.advantage)(batch, cfg)
 
 
-def flatten_time(batch: dict, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
-    """[T, B, ...] -> [T*B, ...] for the per-sample tensors the loss needs."""
+def flatten_time(batch: dict, advantages: torch.Tensor, returns: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> dict:
+    """[T, B, ...] -> [N, ...] for the per-sample tensors the loss needs: the ``valid`` ones."""
+    keep = valid.flatten(0, 1) if valid is not None else slice(None)
     flat = {
-        "obs": {k: v.flatten(0, 1) for k, v in batch["obs"].items()},
-        "actions": batch["actions"].flatten(0, 1),
-        "logprobs": batch["logprobs"].flatten(0, 1),
-        "values": batch["values"].flatten(0, 1),
+        "obs": {k: v.flatten(0, 1)[keep] for k, v in batch["obs"].items()},
+        "actions": batch["actions"].flatten(0, 1)[keep],
+        "logprobs": batch["logprobs"].flatten(0, 1)[keep],
+        "values": batch["values"].flatten(0, 1)[keep],
     }
-    flat["advantages"] = advantages.flatten(0, 1)
-    flat["returns"] = returns.flatten(0, 1)
+    flat["advantages"] = advantages.flatten(0, 1)[keep]
+    flat["returns"] = returns.flatten(0, 1)[keep]
     return flat
 
 
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, cfg,
                generator: torch.Generator | None = None) -> dict[str, float]:
     """Run ``cfg.update_epochs`` epochs over ``batch``; returns mean training statistics."""
-    advantages, returns = compute_advantages(batch, cfg)
-    data = flatten_time(batch, advantages, returns)
+    advantages, returns, valid = compute_advantages(batch, cfg)
+    data = flatten_time(batch, advantages, returns, valid)
     n = data["actions"].shape[0]
+    if n == 0:  # e.g. GRPO with every group filtered out: nothing to learn from this batch
+        return {"samples": 0.0, "epochs": 0.0}
     minibatch = max(n // cfg.num_minibatches, 1)
     stats: dict[str, list[float]] = defaultdict(list)
     for _epoch in range(cfg.update_epochs):
@@ -70,6 +72,7 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
             break
     out = {k: sum(v) / len(v) for k, v in stats.items() if k != "epochs"}
     out["epochs"] = float(len(stats["epochs"]))
+    out["samples"] = float(n)
     var_returns = data["returns"].var()
     out["explained_variance"] = float(1 - (data["returns"] - data["values"]).var() / var_returns) if var_returns > 0 else 0.0
     return out

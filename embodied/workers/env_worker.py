@@ -11,11 +11,13 @@ With one stage the two take turns.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from envs.base import episode_rows
-from envs.registry import make_vec_env
+from envs.registry import make_vec_env, seed_scheme
 from scheduler.channel import Channel, InOrder
 from scheduler.worker import Worker
 
@@ -23,6 +25,7 @@ from scheduler.worker import Worker
 class EnvWorker(Worker):
     def __init__(self, env_cfg, num_envs: int, stages: int = 1, **kwargs):
         super().__init__(**kwargs)
+        self.env_cfg = env_cfg
         self.num_envs = num_envs
         self.stage_size = num_envs // stages
         # env.num_procs sim processes per worker, shared out over its micro-batches (0: in-process)
@@ -41,18 +44,22 @@ class EnvWorker(Worker):
             env.set_ignore_terminations(ignore_terminations)
             self.obs[s], _ = env.reset(seed=seeds[s * self.stage_size:(s + 1) * self.stage_size])
 
-    def reset(self, seed: int) -> None:
-        """Reset for training; env ``i`` of this rank is seeded ``seed + rank * num_envs + i``."""
-        first = seed + self.rank * self.num_envs
-        self._reset(list(range(first, first + self.num_envs)), ignore_terminations=False)
+    def reset(self, seed: int, group_size: int = 1) -> None:
+        """Reset for training. Env ``i`` of this rank is env ``j = rank * num_envs + i`` of the
+        whole batch and starts episode slot ``j // group_size`` (the backend's
+        ``train_seed(seed, slot)``): the envs of a GRPO group share an initial state."""
+        scheme = seed_scheme(self.env_cfg)
+        first = self.rank * self.num_envs
+        seeds = [scheme.train_seed(self.env_cfg, seed, j // group_size) for j in range(first, first + self.num_envs)]
+        self._reset(seeds, ignore_terminations=False)
 
-    def interact(self, num_steps: int, channel: Channel) -> dict:
+    def interact(self, num_steps: int, channel: Channel, on_step: Callable | None = None) -> dict:
         """Run ``num_steps`` steps of every micro-batch against a RolloutWorker.
 
         Returns ``episodes`` (rows of the episodes that finished; ``env`` indexes this
         rank's slice) and this rank's time busy stepping the simulator and sending the
         results (``sim_s``), of which ``env.step`` alone (``step_s``), and waiting for
-        actions (``wait_s``).
+        actions (``wait_s``). ``on_step(stage, result)`` sees every step's result.
         """
         self.trace = []
         started = time.perf_counter()
@@ -73,18 +80,45 @@ class EnvWorker(Worker):
                     episodes.append({**row, "env": row["env"] + s * self.stage_size})
                 channel.put(_message(result), key=("obs", self.rank, s))
                 self.obs[s] = result.obs
+                if on_step is not None:
+                    on_step(s, result)
                 wait_s += t1 - t0
                 self.trace.append(("sim", start, time.time()))
         busy_s = time.perf_counter() - started - wait_s
         return {"episodes": episodes, "sim_s": busy_s, "step_s": step_s, "wait_s": wait_s}
 
-    def evaluate(self, seeds: list[int], channel: Channel) -> list[dict]:
-        """One fixed-horizon episode per env, reset with ``seeds``; returns one row per episode."""
+    def evaluate(self, seeds: list[int], episode_ids: list[int], record: list[bool], channel: Channel) -> dict:
+        """One fixed-horizon episode per env, reset with ``seeds``.
+
+        Returns ``rows`` (one per episode, tagged with ``seed`` and ``episode`` = its
+        ``episode_ids`` entry; ids < 0 are padding, run but not reported) and ``videos``
+        (episode id -> :func:`_video` frames of the envs flagged in ``record``).
+        """
         self._reset(seeds, ignore_terminations=True)
-        episodes = self.interact(self.envs[0].max_episode_steps, channel)["episodes"]
-        for row in episodes:
-            row["seed"] = seeds[row["env"]]
-        return episodes
+        recorders = {i: _EpisodeFrames(self._frame(i, self.obs[i // self.stage_size], None))
+                     for i, flag in enumerate(record) if flag}
+
+        def on_step(stage: int, result) -> None:
+            for i, frames in recorders.items():
+                if i // self.stage_size == stage:
+                    frames.add(self._frame(i, result.obs, result), result, i % self.stage_size)
+
+        rows = self.interact(self.envs[0].max_episode_steps, channel, on_step if recorders else None)["episodes"]
+        for row in rows:
+            row["seed"], row["episode"] = seeds[row["env"]], episode_ids[row["env"]]
+        return {"rows": [r for r in rows if r["episode"] >= 0],
+                "videos": {episode_ids[i]: frames.as_dict() for i, frames in recorders.items()}}
+
+    def _frame(self, i: int, obs: dict, result) -> np.ndarray:
+        """The picture of env ``i`` after a step: its camera (agentview beside wrist view, if
+        there is one) or, for state observations, a render. The last step shows the final obs."""
+        stage, local = divmod(i, self.stage_size)
+        if result is not None and bool(result.done[local]):
+            obs = result.info["final_obs"]
+        if "rgb" not in obs:
+            return self.envs[stage].render(local)
+        views = [obs["rgb"][local]] + ([obs["wrist_rgb"][local]] if "wrist_rgb" in obs else [])
+        return torch.cat([torch.as_tensor(v) for v in views], dim=1).numpy()
 
     def last_trace(self) -> list[tuple[str, float, float]]:
         return self.trace
@@ -92,6 +126,21 @@ class EnvWorker(Worker):
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+class _EpisodeFrames:
+    """Frames of one recorded eval episode with the reward and success shown under each."""
+
+    def __init__(self, first: np.ndarray):
+        self.frames, self.rewards, self.successes = [first], [None], [False]
+
+    def add(self, frame: np.ndarray, result, local: int) -> None:
+        self.frames.append(frame)
+        self.rewards.append(float(result.reward[local]))
+        self.successes.append(bool(result.info["success"][local]))
+
+    def as_dict(self) -> dict:
+        return {"frames": np.stack(self.frames), "rewards": self.rewards, "successes": self.successes}
 
 
 def _message(result) -> dict:
