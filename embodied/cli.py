@@ -240,10 +240,14 @@ def _explain(err: BaseException) -> tuple[str, int] | None:
     from envs.subproc import EnvCrashedError
 
     try:
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import ActorDiedError, RayTaskError
 
         if isinstance(err, RayTaskError) and err.cause is not None:
             err = err.cause
+        if isinstance(err, ActorDiedError) and "creation task" in str(err):
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            return (f"A worker failed to start: {lines[-1]}\nCheck the env on its own (`embodied check-render`, "
+                    "or build it with `embodied record` and the same overrides); the traceback is above."), EXIT_ENV_CRASH
     except ImportError:
         pass
     if isinstance(err, UserError):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,9 @@ OBS_MODES = ("rgb", "state")
 
 
 def _configure_paths() -> None:
-    """LIBERO reads a config under $LIBERO_CONFIG_PATH (never the home dir); MuJoCo renders with EGL."""
+    """LIBERO reads a config under $LIBERO_CONFIG_PATH (never the home dir); MuJoCo renders with EGL;
+    robosuite's import-time advice to write a private macro file (we need none) stays quiet."""
+    logging.getLogger("robosuite_logs").addFilter(lambda record: "macro" not in record.getMessage())
     os.environ.setdefault("MUJOCO_GL", "egl")
     os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
     os.environ.setdefault("LIBERO_CONFIG_PATH", str(Path(__file__).resolve().parents[1] / ".libero"))

@@ -47,3 +47,10 @@ def test_bad_input_gives_one_paragraph_and_exit_2(name):
     assert len(message) <= 3, proc.stderr
     for word in must_mention:
         assert word in proc.stderr, (word, proc.stderr)
+
+
+def test_env_that_fails_to_build_names_the_cause_and_exits_3():
+    proc = run_cli("train", "env.control_mode=pd_bogus", "env.num_envs=4", timeout=180)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert error and "failed to start" in error[0] and "pd_bogus not in supported modes" in error[0]

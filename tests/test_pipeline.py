@@ -27,7 +27,7 @@ def _train(overrides: list[str], iterations: int = 2) -> dict:
             workers.update(refs)
             trajectories.append(merge_trajectories(ray.get(refs)))
             episodes += rows
-        eval_rows = workers.evaluate(8, seed=99, deterministic=False)
+        eval_rows, _ = workers.evaluate(list(range(99, 107)), deterministic=False)
         return {"trajectories": trajectories, "episodes": episodes, "eval": eval_rows,
                 "weights": workers.actor_state()["policy"], "plan": workers.plan}
     finally:

@@ -1,0 +1,86 @@
+"""The evaluation protocol: every episode of the backend's seed scheme runs exactly once, on
+real workers; per-task tables; videos from the eval's own frames; LIBERO's (task, init) seeds."""
+
+import json
+
+import imageio.v2 as imageio
+import pytest
+
+from embodied.config import compose
+from embodied.evaluate import markdown_table, summarize, video_episodes
+from embodied.runner import Workers
+from envs.libero import decode_seed, episode_seed
+from envs.registry import seed_scheme
+from tests.conftest import run_cli, small_config
+
+
+def test_libero_eval_seeds_are_every_task_init_pair_once_grouped_by_task():
+    cfg = compose(["env=libero_spatial", "eval.trials_per_task=5"])
+    seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
+    pairs = [decode_seed(s) for s in seeds]
+    assert pairs == [(t, i) for t in range(10) for i in range(5)]
+    cfg.eval.trials_per_task = 50
+    assert len(set(seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval))) == 500
+
+
+def test_libero_training_slots_spread_tasks_and_are_seeded():
+    cfg = compose(["env=libero_spatial"]).env
+    scheme = seed_scheme(cfg)
+    seeds = [scheme.train_seed(cfg, base=1, index=k) for k in range(20)]
+    assert [decode_seed(s)[0] for s in seeds] == [k % 10 for k in range(20)]
+    assert all(0 <= decode_seed(s)[1] < 50 for s in seeds)
+    assert seeds == [scheme.train_seed(cfg, base=1, index=k) for k in range(20)]  # seeded
+    assert seeds != [scheme.train_seed(cfg, base=2, index=k) for k in range(20)]
+
+
+def test_per_task_table_and_suite_mean():
+    cfg = compose(["env=libero_spatial"]).env
+    rows = [{"seed": episode_seed(t, i), "success_once": t == 0 or (t == 1 and i == 0), "success_at_end": False,
+             "return": 0.0, "length": 220, "error": t == 2 and i == 1} for t in range(3) for i in range(2)]
+    summary = summarize(rows, cfg)
+    assert [t["task_index"] for t in summary["tasks"]] == [0, 1, 2]
+    assert [t["success_once"] for t in summary["tasks"]] == [1.0, 0.5, 0.0]
+    assert summary["suite_mean"] == pytest.approx(0.5) and summary["errors"] == 1
+    table = markdown_table(summary)
+    assert table.count("\n| ") == 4 and "suite mean" in table and "failed-by-error" in table
+
+
+def test_videos_go_to_each_tasks_first_episodes():
+    cfg = compose(["env=libero_spatial"]).env
+    seeds = [episode_seed(t, i) for t in range(3) for i in range(4)]
+    assert video_episodes(seeds, cfg, per_task=1) == {0, 4, 8}
+    assert video_episodes(seeds, cfg, per_task=2) == {0, 1, 4, 5, 8, 9}
+
+
+def test_every_seed_runs_exactly_once_with_padding(ray_cluster):
+    """7 episodes on 4 envs: two rounds, one padded slot whose episode is not reported; the
+    recorded episodes' frames are the eval's own (T + 1 frames)."""
+    cfg = small_config("env.max_episode_steps=6", "env.render_size=32")
+    workers = Workers(cfg)
+    try:
+        seeds = [50 + k for k in range(7)]
+        rows, videos = workers.evaluate(seeds, deterministic=True, record={0, 6})
+        again, _ = workers.evaluate(seeds[6:], deterministic=True)
+    finally:
+        workers.shutdown()
+    assert [r["seed"] for r in rows] == seeds and [r["episode"] for r in rows] == list(range(7))
+    assert set(videos) == {0, 6} and videos[0]["frames"].shape == (7, 32, 32, 3)
+    assert again[0] | {"episode": 6, "env": rows[6]["env"]} == rows[6]  # an episode depends on its seed only
+
+
+def test_cli_eval_on_libero_writes_the_per_task_table_and_a_video_per_task(tmp_path):
+    out = tmp_path / "eval"
+    proc = run_cli("eval", "env=libero_spatial", "policy=random", "eval.trials_per_task=1",
+                   "env.max_episode_steps=4", "env.image_size=32", "runner.progress=false",
+                   f"runner.run_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "eval.json").read_text())
+    assert [t["task_index"] for t in result["tasks"]] == list(range(10))
+    assert all(t["episodes"] == 1 and t["success_once"] == 0.0 for t in result["tasks"])
+    assert result["seeds"] == [episode_seed(t, 0) for t in range(10)] and result["suite_mean"] == 0.0
+    assert result["policy"] == "random" and result["env_steps_per_s"] > 0
+    assert (out / "eval.md").read_text().count("\n| ") == 11  # 10 tasks, then the suite
+    videos = sorted((out / "videos").glob("task_*.mp4"))
+    assert len(videos) == 10
+    frames = imageio.mimread(videos[3])
+    assert len(frames) == 5 and frames[0].shape[1] == 2 * frames[0].shape[0]  # agentview | wrist
