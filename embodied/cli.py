@@ -71,7 +71,7 @@ def _new_run_dir(cfg) -> Path:
 def cmd_train(overrides: list[str], print_cfg: bool) -> int:
     from embodied.checkpoint import load_checkpoint
     from embodied.config import compose, to_yaml
-    from embodied.evaluate import record_videos, write_eval
+    from embodied.evaluate import record_videos, recording_seeds, write_eval
     from embodied.runner import Trainer
     from policies.registry import check_trainable
 
@@ -102,7 +102,8 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
     finally:
         trainer.close()
     if cfg.eval.video_episodes:
-        record_videos(policy, cfg.env, cfg.eval.video_episodes, cfg.eval.seed, run_dir / "videos")
+        seeds = recording_seeds(cfg.env, cfg.eval, cfg.eval.video_episodes)
+        record_videos(policy, cfg.env, seeds, run_dir / "videos")
     t = summary["training"]
     print(table)
     print(f"trained {t['env_steps']} env steps in {t['train_minutes']:.1f} min "
@@ -185,7 +186,7 @@ def cmd_eval(overrides: list[str]) -> int:
 
 
 def cmd_record(overrides: list[str]) -> int:
-    from embodied.evaluate import record_videos
+    from embodied.evaluate import record_videos, recording_seeds
 
     cfg, state, path = _checkpointed(overrides)
     policy = None
@@ -193,7 +194,8 @@ def cmd_record(overrides: list[str]) -> int:
         policy = _policy_from_state(cfg, state["obs_spec"], state["action_dim"], state["actor"]["policy"])
     out_dir = _out_dir(cfg, path, "videos")
     episodes = max(cfg.eval.video_episodes, 1)
-    for video in record_videos(policy, cfg.env, episodes, cfg.eval.seed, out_dir, cfg.eval.deterministic):
+    seeds = recording_seeds(cfg.env, cfg.eval, episodes)
+    for video in record_videos(policy, cfg.env, seeds, out_dir, cfg.eval.deterministic):
         print(video.resolve())
     return 0
 

@@ -115,10 +115,18 @@ def write_episode_video(path: Path, video: dict, caption: str = "", min_height: 
     return recorder.save()
 
 
+def recording_seeds(env_cfg, eval_cfg, episodes: int) -> list[int]:
+    """``episodes`` seeds of the evaluation protocol to record: one per task first (LIBERO's
+    first tasks' first init states), then the protocol's order (ManiSkill: eval.seed + k)."""
+    seeds = seed_scheme(env_cfg).eval_seeds(env_cfg, eval_cfg)
+    firsts = sorted(video_episodes(seeds, env_cfg, per_task=1))
+    order = firsts + [k for k in range(len(seeds)) if k not in set(firsts)]
+    return [seeds[k] for k in order[:episodes]]
+
+
 @torch.no_grad()
-def record_videos(policy, env_cfg, episodes: int, seed: int, out_dir: Path,
-                  deterministic: bool = True) -> list[Path]:
-    """Record ``episodes`` full-length episodes (``policy=None``: uniform random actions).
+def record_videos(policy, env_cfg, seeds: list[int], out_dir: Path, deterministic: bool = True) -> list[Path]:
+    """Record one full-length episode per seed (``policy=None``: uniform random actions).
 
     One mp4 per episode, ``<out_dir>/episode_<k>_seed_<s>.mp4``, rendered in this process.
     """
@@ -127,10 +135,9 @@ def record_videos(policy, env_cfg, episodes: int, seed: int, out_dir: Path,
     env = make_vec_env(env_cfg, num_envs=1, num_procs=0)
     env.set_ignore_terminations(True)
     paths = []
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seeds[0] if seeds else 0)
     try:
-        for k in range(episodes):
-            episode_seed = seed + k
+        for k, episode_seed in enumerate(seeds):
             obs, _ = env.reset(seed=episode_seed)
             video = VideoRecorder(out_dir / f"episode_{k}_seed_{episode_seed}.mp4")
             reward, success = None, False
