@@ -1,0 +1,137 @@
+"""OpenVLA (Prismatic): fused DINOv2 + SigLIP patch features -> MLP projector -> Llama, built from
+transformers' Llama and our timm-named ViTs (:mod:`policies.vla.vit`).
+
+Module and state-dict names are those of the public ``openvla/openvla-7b`` checkpoint
+(``vision_backbone.featurizer.*``, ``vision_backbone.fused_featurizer.*``,
+``projector.fc{1,2,3}``, ``language_model.*``; see docs/vla_checkpoint_layout.md), and
+the config reads its ``config.json``, so ``OpenVLAForActionPrediction.from_pretrained``
+loads a real checkpoint directory as well as the tiny models the tests save.
+
+Sequence layout: ``[BOS] + projected patches + the rest of the prompt``. Shapes:
+``pixel_values [B, 6, H, W]`` (DINOv2-normalised image, then SigLIP-normalised
+image, stacked on channels), ``input_ids [B, L]`` -> ``logits [B, 1 + P + L - 1, V]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+
+from policies.vla.vit import TIMM_VITS, VisionTransformer, ViTSpec
+
+PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
+
+
+class OpenVLAConfig(PretrainedConfig):
+    """OpenVLA's config.json fields, plus ``vit_specs``: explicit ViT sizes for models whose
+    backbones are not the two timm ids OpenVLA uses (the tiny test models)."""
+
+    model_type = "openvla"
+    sub_configs = {"text_config": LlamaConfig}
+
+    def __init__(self, timm_model_ids: list[str] | None = None, vit_specs: list[dict] | None = None,
+                 image_sizes: list[int] | None = None, use_fused_vision_backbone: bool = True,
+                 text_config: dict | LlamaConfig | None = None, n_action_bins: int = 256,
+                 norm_stats: dict | None = None, pad_to_multiple_of: int = 64, **kwargs):
+        self.timm_model_ids = timm_model_ids or list(TIMM_VITS)
+        self.vit_specs = vit_specs
+        self.image_sizes = image_sizes or [224, 224]
+        self.use_fused_vision_backbone = use_fused_vision_backbone
+        if isinstance(text_config, dict):
+            text_config = LlamaConfig(**text_config)
+        self.text_config = text_config or LlamaConfig()
+        self.n_action_bins = n_action_bins
+        self.norm_stats = norm_stats
+        self.pad_to_multiple_of = pad_to_multiple_of
+        super().__init__(**kwargs)
+
+    def vision_specs(self) -> list[ViTSpec]:
+        specs = ([ViTSpec(**s) for s in self.vit_specs] if self.vit_specs
+                 else [TIMM_VITS[i] for i in self.timm_model_ids])
+        return specs if self.use_fused_vision_backbone else specs[:1]
+
+
+class PrismaticVisionBackbone(nn.Module):
+    """``featurizer`` (DINOv2) and, fused, ``fused_featurizer`` (SigLIP): features concatenated."""
+
+    def __init__(self, specs: list[ViTSpec]):
+        super().__init__()
+        self.featurizer = VisionTransformer(specs[0])
+        self.fused_featurizer = VisionTransformer(specs[1]) if len(specs) > 1 else None
+        self.embed_dim = sum(s.dim for s in specs)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[B, 3 or 6, H, W]`` -> ``[B, P, embed_dim]``."""
+        if self.fused_featurizer is None:
+            return self.featurizer(pixel_values)
+        dino, siglip = torch.split(pixel_values, 3, dim=1)
+        return torch.cat([self.featurizer(dino), self.fused_featurizer(siglip)], dim=-1)
+
+
+class PrismaticProjector(nn.Module):
+    """Fused: ``fc1 (vision -> 4 * vision), GELU, fc2 (-> llm), GELU, fc3 (llm -> llm)``."""
+
+    def __init__(self, vision_dim: int, llm_dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(vision_dim, 4 * vision_dim)
+        self.fc2 = nn.Linear(4 * vision_dim, llm_dim)
+        self.fc3 = nn.Linear(llm_dim, llm_dim)
+        self.act = nn.GELU()
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(patches)))))
+
+
+class OpenVLAForActionPrediction(PreTrainedModel):
+    config_class = OpenVLAConfig
+    base_model_prefix = ""  # checkpoint keys start at vision_backbone / projector / language_model
+    _no_split_modules = ["LlamaDecoderLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config: OpenVLAConfig):
+        super().__init__(config)
+        self.vision_backbone = PrismaticVisionBackbone(config.vision_specs())
+        self.projector = PrismaticProjector(self.vision_backbone.embed_dim, config.text_config.hidden_size)
+        self.language_model = LlamaForCausalLM(config.text_config)
+        self.post_init()
+
+    @property
+    def num_patches(self) -> int:
+        return self.vision_backbone.featurizer.num_patches
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def multimodal_embeddings(self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
+                              attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[BOS] + patches + prompt[1:]`` embeddings ``[B, 1 + P + L - 1, D]`` and their mask."""
+        patches = self.projector(self.vision_backbone(pixel_values.to(self.projector.fc1.weight.dtype)))
+        text = self.get_input_embeddings()(input_ids)
+        embeds = torch.cat([text[:, :1], patches, text[:, 1:]], dim=1)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        patch_mask = attention_mask.new_ones(patches.shape[:2])
+        return embeds, torch.cat([attention_mask[:, :1], patch_mask, attention_mask[:, 1:]], dim=1)
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, **kwargs):
+        embeds, mask = self.multimodal_embeddings(input_ids, pixel_values, attention_mask)
+        return self.language_model(inputs_embeds=embeds, attention_mask=mask, **kwargs)
+
+
+def tiny_config(vocab_size: int, image_size: int = 64, patch: int = 8, vision_dim: int = 64,
+                hidden: int = 128, layers: int = 2) -> OpenVLAConfig:
+    """A few-million-parameter OpenVLA with the real architecture (fused DINOv2-style and
+    SigLIP-style ViTs of 3 blocks, projector, Llama): for CPU runs and tests."""
+
+    def vit(dinov2: bool) -> dict:
+        return {"dim": vision_dim, "depth": 3, "heads": 2, "mlp_dim": 2 * vision_dim, "patch": patch,
+                "image_size": image_size, "class_token": dinov2, "reg_tokens": 4 if dinov2 else 0,
+                "layer_scale": dinov2, "attn_pool": not dinov2}
+
+    text = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                       max_position_embeddings=1024, rms_norm_eps=1e-6)
+    return OpenVLAConfig(vit_specs=[vit(True), vit(False)], image_sizes=[image_size, image_size],
+                         text_config=text.to_dict())
