@@ -47,6 +47,12 @@ class PolicyConfig:
     log_std_init: float = -0.5  # initial log std of the Gaussian action distribution
     cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 64])  # cnn only
     feature_dim: int = 256  # cnn only: image embedding size
+    # VLA policies (policies/vla/)
+    model_path: str | None = None  # a save_pretrained directory (model + tokenizer); None: a tiny model from scratch
+    image_size: int = 64  # tiny VLAs: the vision backbones' input size
+    temperature: float = 1.0  # action-token sampling temperature in training rollouts (evaluation is greedy)
+    instruction: str = ""  # the language instruction where the env gives none (ManiSkill tasks)
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen
 
 
 @dataclass

@@ -148,7 +148,7 @@ def record_videos(policy, env_cfg, seeds: list[int], out_dir: Path, deterministi
                 if policy is None:
                     actions = torch.rand(1, env.action_dim, generator=generator) * 2 - 1
                 else:
-                    actions = policy.act(obs, deterministic=deterministic)[0].clamp(-1, 1)
+                    actions = policy.to_env(policy.act(obs, deterministic=deterministic)[0])
                 result = env.step(actions)
                 reward, success = float(result.reward[0]), bool(result.info["success"][0])
                 obs = result.obs

@@ -142,6 +142,10 @@ class GaussianActorCritic(nn.Module):
             actions = mean + std * (torch.randn_like(mean) if noise is None else noise.to(mean.device))
         return actions, Normal(mean, std).log_prob(actions).sum(-1), value
 
+    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
+        """The env's action for a sample: clipped to the [-1, 1] box (the unclipped one is scored)."""
+        return actions.clamp(-1.0, 1.0)
+
     def evaluate(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
         dist = self.distribution(obs)
         return dist.log_prob(actions).sum(-1), dist.entropy().sum(-1), self.value(obs)

@@ -11,6 +11,7 @@ def _import_policies() -> None:
     import policies.cnn  # noqa: F401  (each module registers its policies)
     import policies.mlp  # noqa: F401
     import policies.random  # noqa: F401
+    import policies.vla.policy  # noqa: F401
 
 
 def check_policy_name(name: str) -> None:

@@ -84,8 +84,9 @@ def use_views_as_parameters(module: torch.nn.Module, views: dict[str, torch.Tens
 
 
 def _named_tensors(module: torch.nn.Module):
+    persistent = set(module.state_dict(keep_vars=True))  # not e.g. rotary tables rebuilt on load
     yield from module.named_parameters()
-    yield from ((n, b) for n, b in module.named_buffers() if b is not None)
+    yield from ((n, b) for n, b in module.named_buffers() if b is not None and n in persistent)
 
 
 # -- collective broadcast ----------------------------------------------------------------

@@ -27,7 +27,8 @@ class ActorWorker(Worker):
         torch.manual_seed(seed)
         self.cfg = algorithm_cfg
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=algorithm_cfg.lr, eps=1e-5)
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: adapters + value head
+        self.optimizer = torch.optim.Adam(trainable, lr=algorithm_cfg.lr, eps=1e-5)
         self.generator = torch.Generator().manual_seed(seed)
         self.device_state = DeviceState(self.policy, self.optimizer)
         self.shared: SharedWeights | None = None

@@ -81,8 +81,9 @@ class RolloutWorker(Worker):
 
     def _act(self, obs: dict, deterministic: bool, noise: torch.Tensor):
         actions, logprob, value = self.policy.act(self._obs(obs), deterministic=deterministic, noise=noise)
-        # the simulator's action box is [-1, 1]; the unclipped sample is what was scored
-        return actions, logprob, value, actions.clamp(-1.0, 1.0).cpu()
+        # what the simulator gets (a Gaussian's sample clipped to the box, a VLA's tokens decoded);
+        # the policy's own ``actions`` are what was scored
+        return actions, logprob, value, self.policy.to_env(actions).cpu()
 
     def _get(self, incoming: InOrder) -> dict:
         """Wait for the next micro-batch; the time until the next ``_get`` counts as busy (``infer``)."""

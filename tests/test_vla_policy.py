@@ -1,0 +1,98 @@
+"""The OpenVLA policy behind the Policy protocol (tiny model, CPU): log-probs, sampling, LoRA, loading."""
+
+
+import pytest
+import torch
+
+from embodied.algorithms.ppo import ppo_update
+from embodied.config import compose
+from policies.registry import make_policy
+
+SPEC = {"rgb": ((96, 96, 3), torch.uint8), "state": ((9,), torch.float32)}
+ACTION_DIM = 4
+
+
+def _policy(*overrides: str, seed: int = 0):
+    cfg = compose(["policy=openvla_tiny", "policy.instruction=push the cube", *overrides]).policy
+    torch.manual_seed(seed)
+    return make_policy(cfg, SPEC, ACTION_DIM)
+
+
+def _obs(batch: int = 6, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"rgb": torch.randint(0, 256, (batch, 96, 96, 3), generator=g, dtype=torch.uint8),
+            "state": torch.randn(batch, 9, generator=g)}
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return _policy().eval()
+
+
+def test_rollout_log_probs_equal_the_teacher_forced_ones(policy):
+    obs, noise = _obs(), torch.randn(6, ACTION_DIM, generator=torch.Generator().manual_seed(1))
+    bins, logprob, value = policy.act(obs, noise=noise)
+    token_logp, entropy, value_again = policy.token_logprobs(obs, bins)
+    action_logp, action_entropy, _ = policy.evaluate(obs, bins)
+    torch.testing.assert_close(token_logp.sum(-1), logprob, atol=1e-4, rtol=0)  # KV-cached vs one pass
+    torch.testing.assert_close(action_logp, token_logp.sum(-1))  # action level = sum of its tokens
+    torch.testing.assert_close(action_entropy, entropy.sum(-1))
+    torch.testing.assert_close(value_again, value, atol=1e-5, rtol=0)
+    assert bins.shape == (6, ACTION_DIM) and bool((token_logp < 0).all())
+
+
+def test_sampling_follows_the_noise_and_not_the_batch_split(policy):
+    obs, noise = _obs(), torch.randn(6, ACTION_DIM, generator=torch.Generator().manual_seed(2))
+    bins, _, _ = policy.act(obs, noise=noise)
+    assert torch.equal(policy.act(obs, noise=noise)[0], bins)
+    half = policy.act({k: v[:3] for k, v in obs.items()}, noise=noise[:3])[0]
+    assert torch.equal(half, bins[:3])
+    assert not torch.equal(policy.act(obs, noise=-noise)[0], bins)
+
+
+def test_greedy_actions_are_each_tokens_mode_and_decode_into_the_box(policy):
+    obs = _obs()
+    bins, _, _ = policy.act(obs, deterministic=True)
+    logp, _ = policy.bin_distributions(obs, bins)
+    assert torch.equal(logp.argmax(-1), bins.long())
+    actions = policy.to_env(bins)
+    assert actions.shape == (6, ACTION_DIM) and bool((actions.abs() <= 1).all())
+
+
+def test_lora_update_changes_only_adapters_and_value_head():
+    policy = _policy("policy.lora_rank=4")
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or n.startswith("value_head") for n in trainable)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    obs = _obs(8)
+    bins, logprob, value = policy.act(obs)
+    batch = {"obs": {k: v[None] for k, v in obs.items()}, "actions": bins[None], "logprobs": logprob[None],
+             "values": value[None], "rewards": torch.randn(1, 8), "dones": torch.ones(1, 8, dtype=torch.bool),
+             "next_value": torch.zeros(8)}
+    cfg = compose(["algorithm.update_epochs=1", "algorithm.num_minibatches=2"]).algorithm
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    ppo_update(policy, optimizer, batch, cfg)
+    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= trainable
+    assert any("lora_" in n for n in changed) and any(n.startswith("value_head") for n in changed)
+
+
+def test_a_saved_model_directory_loads_offline_and_acts_identically(tmp_path, monkeypatch, policy):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    policy.model.save_pretrained(tmp_path)
+    policy.tokenizer.save_pretrained(tmp_path)
+    loaded = _policy(f"policy.model_path={tmp_path}", seed=1).eval()
+    loaded.value_head.load_state_dict(policy.value_head.state_dict())
+    obs, noise = _obs(), torch.randn(6, ACTION_DIM, generator=torch.Generator().manual_seed(3))
+    for a, b in zip(loaded.act(obs, noise=noise), policy.act(obs, noise=noise), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_policy_needs_images():
+    from embodied.errors import UserError
+
+    cfg = compose(["policy=openvla_tiny"]).policy
+    with pytest.raises(UserError, match="obs_mode: rgb"):
+        make_policy(cfg, {"state": ((9,), torch.float32)}, ACTION_DIM)
+
+
