@@ -13,6 +13,8 @@ rollouts are as reproducible as a Gaussian policy's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -32,98 +34,82 @@ def _instructions(obs: dict[str, torch.Tensor], fallback: str) -> list[str]:
     return [decode_instruction(row) for row in obs["instruction"].cpu()]
 
 
-@POLICIES.register("openvla")
-class OpenVLAPolicy(nn.Module):
-    def __init__(self, cfg, obs_spec: dict, action_dim: int):
-        super().__init__()
-        if "rgb" not in obs_spec:
-            from embodied.errors import UserError
+@dataclass
+class DecodeState:
+    """What one more decoding step needs: the KV cache, and the attention mask / positions so far."""
 
-            raise UserError("policy=openvla needs camera images: use an env with obs_mode: rgb.")
-        if cfg.model_path:
-            from transformers import AutoTokenizer
+    cache: object
+    mask: torch.Tensor
+    positions: torch.Tensor | None = None
 
-            self.model = OpenVLAForActionPrediction.from_pretrained(cfg.model_path)
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        else:
-            self.tokenizer = byte_tokenizer()
-            self.model = OpenVLAForActionPrediction(tiny_config(len(self.tokenizer), cfg.image_size))
-        self.action_dim, self.temperature, self.instruction = action_dim, cfg.temperature, cfg.instruction
-        self.image_size = self.model.config.image_sizes[0]
-        self.actions = ActionTokenizer(ActionStats.identity(action_dim), vocab_size=len(self.tokenizer))
-        hidden = self.model.config.text_config.hidden_size
-        self.value_head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
-        if cfg.lora_rank:
-            self._add_lora(cfg.lora_rank)
 
-    def _add_lora(self, rank: int) -> None:
-        """LoRA adapters in the language model; only they and the value head train."""
+class TokenVLAPolicy(nn.Module):
+    """Base of VLA policies that emit one token per action dimension.
+
+    A subclass sets ``tokenizer``, ``actions`` (:class:`ActionTokenizer`), ``action_dim``,
+    ``temperature``, ``instruction`` and ``value_head``, and implements :meth:`_run` (one
+    forward pass over the prompt, optionally followed by action tokens) and :meth:`_step`
+    (one more token with the KV cache).
+    """
+
+    def _run(self, obs: dict[str, torch.Tensor], action_ids: torch.Tensor | None = None,
+             use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor, DecodeState]:
+        """-> ``(logits [B, L, V], last hidden layer [B, L, H], state)``; the sequence ends with the
+        prompt, then ``action_ids [B, K]``."""
+        raise NotImplementedError
+
+    def _step(self, token: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, DecodeState]:
+        """One token ``[B, 1]`` more -> ``(logits [B, V], state)``."""
+        raise NotImplementedError
+
+    def _prompts(self, obs: dict[str, torch.Tensor]) -> list[str]:
+        return [PROMPT.format(instruction=text.lower()) for text in _instructions(obs, self.instruction)]
+
+    def _add_lora(self, module: nn.Module, rank: int) -> None:
+        """LoRA adapters in ``module`` (the language model); only they and the value head train."""
         from peft import LoraConfig, inject_adapter_in_model
 
-        inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS),
-                                self.model.language_model)
+        inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS), module)
         for name, param in self.named_parameters():
             param.requires_grad = "lora_" in name or name.startswith("value_head")
-
-    # -- inputs ------------------------------------------------------------------------
-    def _prompt_inputs(self, obs: dict[str, torch.Tensor], action_ids: torch.Tensor | None = None):
-        """Embeddings, attention mask and positions of ``[BOS] + patches + prompt (+ action_ids)``."""
-        prompts = [PROMPT.format(instruction=text.lower()) for text in _instructions(obs, self.instruction)]
-        ids, mask = tokenize_prompts(self.tokenizer, prompts)
-        device = self.value_head[0].weight.device
-        ids, mask = ids.to(device), mask.to(device)
-        if action_ids is not None:
-            ids = torch.cat([ids, action_ids], dim=1)
-            mask = torch.cat([mask, torch.ones_like(action_ids)], dim=1)
-        pixels = pixel_values(obs["rgb"].to(device), self.image_size)
-        embeds, mask = self.model.multimodal_embeddings(ids, pixels, mask)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: every row counts from its BOS
-        return embeds, mask, positions
 
     def _bin_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., V]`` logits -> log-probs over the action bins ``[..., n_bins]`` (masked, tempered)."""
         return torch.log_softmax(logits[..., self.actions.action_ids.to(logits.device)] / self.temperature, dim=-1)
 
+    def _sample(self, logp: torch.Tensor, uniform: torch.Tensor | None) -> torch.Tensor:
+        """The mode (``uniform=None``) or the inverse CDF at ``uniform [B]``: bins ``[B]``."""
+        if uniform is None:
+            return logp.argmax(-1)
+        cdf = logp.exp().cumsum(-1)
+        bins = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+        return bins.clamp(max=self.actions.n_bins - 1)
+
     # -- the Policy protocol ---------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False, noise: torch.Tensor | None = None):
-        embeds, mask, positions = self._prompt_inputs(obs)
-        lm = self.model.language_model
-        out = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True,
-                 output_hidden_states=True)
-        value = self.value_head(out.hidden_states[-1][:, -1]).squeeze(-1)
-        if noise is None:
-            noise = torch.randn(embeds.shape[0], self.action_dim)
-        uniform = torch.special.ndtr(noise.to(embeds.device))
-        bins, logprob, logits, cache = [], 0.0, out.logits[:, -1], out.cache
+        logits, hidden, state = self._run(obs, use_cache=True)
+        value = self.value_head(hidden[:, -1]).squeeze(-1)
+        batch = logits.shape[0]
+        uniform = None if deterministic else torch.special.ndtr(
+            (torch.randn(batch, self.action_dim) if noise is None else noise).to(logits.device))
+        bins, logprob, logits = [], 0.0, logits[:, -1]
         for j in range(self.action_dim):
             logp = self._bin_logprobs(logits)
-            if deterministic:
-                b = logp.argmax(-1)
-            else:  # inverse CDF at u: the first bin whose cumulative probability exceeds u
-                cdf = logp.exp().cumsum(-1)
-                b = torch.searchsorted(cdf, (uniform[:, j] * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-                b = b.clamp(max=self.actions.n_bins - 1)
+            b = self._sample(logp, None if uniform is None else uniform[:, j])
             bins.append(b)
             logprob = logprob + logp.gather(-1, b[:, None]).squeeze(-1)
             if j + 1 < self.action_dim:
-                token = self.actions.action_ids.to(b.device)[b][:, None]
-                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-                positions = positions[:, -1:] + 1
-                out = lm(inputs_embeds=lm.get_input_embeddings()(token), attention_mask=mask,
-                         position_ids=positions, cache=cache, use_cache=True)
-                logits, cache = out.logits[:, -1], out.cache
+                logits, state = self._step(self.actions.action_ids.to(b.device)[b][:, None], state)
         return torch.stack(bins, dim=1).float(), logprob, value
 
     def bin_distributions(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
         """Teacher-forced log-probs of every bin at every action token ``[B, A, n_bins]``, and the value."""
         action_ids = self.actions.action_ids.to(actions.device)[actions.long()]
-        embeds, mask, positions = self._prompt_inputs(obs, action_ids[:, :-1])
-        out = self.model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                                        output_hidden_states=True)
+        logits, hidden, _ = self._run(obs, action_ids[:, :-1])
         # the last prompt token predicts action token 0, action token j predicts j + 1
-        value = self.value_head(out.hidden_states[-1][:, -self.action_dim]).squeeze(-1)
-        return self._bin_logprobs(out.logits[:, -self.action_dim:]), value
+        value = self.value_head(hidden[:, -self.action_dim]).squeeze(-1)
+        return self._bin_logprobs(logits[:, -self.action_dim:]), value
 
     def token_logprobs(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
         """``(log-probs [B, A], entropies [B, A], value [B])`` of the bins ``actions``, token by token."""
@@ -138,11 +124,65 @@ class OpenVLAPolicy(nn.Module):
 
     @torch.no_grad()
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        embeds, mask, positions = self._prompt_inputs(obs)
-        out = self.model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                                        output_hidden_states=True)
-        return self.value_head(out.hidden_states[-1][:, -1]).squeeze(-1)
+        _, hidden, _ = self._run(obs)
+        return self.value_head(hidden[:, -1]).squeeze(-1)
 
     def to_env(self, actions: torch.Tensor) -> torch.Tensor:
         """Sampled bins ``[B, A]`` -> continuous env actions (bin centres, un-normalised)."""
         return self.actions.decode(self.actions.action_ids.to(actions.device)[actions.long()])
+
+
+def _needs_images(obs_spec: dict, name: str) -> None:
+    if "rgb" not in obs_spec:
+        from embodied.errors import UserError
+
+        raise UserError(f"policy={name} needs camera images: use an env with obs_mode: rgb.")
+
+
+def _value_head(hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+
+@POLICIES.register("openvla")
+class OpenVLAPolicy(TokenVLAPolicy):
+    """OpenVLA: action bins are the last 256 ids of the vocabulary."""
+
+    def __init__(self, cfg, obs_spec: dict, action_dim: int):
+        super().__init__()
+        _needs_images(obs_spec, "openvla")
+        if cfg.model_path:
+            from transformers import AutoTokenizer
+
+            self.model = OpenVLAForActionPrediction.from_pretrained(cfg.model_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        else:
+            self.tokenizer = byte_tokenizer()
+            self.model = OpenVLAForActionPrediction(tiny_config(len(self.tokenizer), cfg.image_size))
+        self.action_dim, self.temperature, self.instruction = action_dim, cfg.temperature, cfg.instruction
+        self.image_size = self.model.config.image_sizes[0]
+        self.actions = ActionTokenizer(ActionStats.identity(action_dim), vocab_size=len(self.tokenizer))
+        self.value_head = _value_head(self.model.config.text_config.hidden_size)
+        if cfg.lora_rank:
+            self._add_lora(self.model.language_model, cfg.lora_rank)
+
+    def _run(self, obs, action_ids=None, use_cache=False):
+        ids, mask = tokenize_prompts(self.tokenizer, self._prompts(obs))
+        device = self.value_head[0].weight.device
+        ids, mask = ids.to(device), mask.to(device)
+        if action_ids is not None:
+            ids = torch.cat([ids, action_ids], dim=1)
+            mask = torch.cat([mask, torch.ones_like(action_ids)], dim=1)
+        embeds, mask = self.model.multimodal_embeddings(ids, pixel_values(obs["rgb"].to(device), self.image_size),
+                                                        mask)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: every row counts from its BOS
+        out = self.model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                                        use_cache=use_cache, output_hidden_states=True)
+        return out.logits, out.hidden_states[-1], DecodeState(out.cache, mask, positions[:, -1:])
+
+    def _step(self, token, state):
+        lm = self.model.language_model
+        mask = torch.cat([state.mask, torch.ones_like(token)], dim=1)
+        positions = state.positions + 1
+        out = lm(inputs_embeds=lm.get_input_embeddings()(token), attention_mask=mask, position_ids=positions,
+                 cache=state.cache, use_cache=True)
+        return out.logits[:, -1], DecodeState(out.cache, mask, positions)
