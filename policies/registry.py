@@ -12,6 +12,7 @@ def _import_policies() -> None:
     import policies.mlp  # noqa: F401
     import policies.random  # noqa: F401
     import policies.vla.policy  # noqa: F401
+    import policies.vla.qwen_vl  # noqa: F401
 
 
 def check_policy_name(name: str) -> None:

@@ -1,4 +1,5 @@
-"""The OpenVLA policy behind the Policy protocol (tiny model, CPU): log-probs, sampling, LoRA, loading."""
+"""VLA policies behind the Policy protocol (tiny OpenVLA and Qwen2.5-VL VLA, CPU): log-probs,
+sampling, LoRA, loading a saved directory."""
 
 
 import pytest
@@ -12,8 +13,11 @@ SPEC = {"rgb": ((96, 96, 3), torch.uint8), "state": ((9,), torch.float32)}
 ACTION_DIM = 4
 
 
-def _policy(*overrides: str, seed: int = 0):
-    cfg = compose(["policy=openvla_tiny", "policy.instruction=push the cube", *overrides]).policy
+MODELS = ["openvla_tiny", "qwen_vl_tiny"]
+
+
+def _policy(model: str, *overrides: str, seed: int = 0):
+    cfg = compose([f"policy={model}", "policy.instruction=push the cube", *overrides]).policy
     torch.manual_seed(seed)
     return make_policy(cfg, SPEC, ACTION_DIM)
 
@@ -24,9 +28,9 @@ def _obs(batch: int = 6, seed: int = 0) -> dict:
             "state": torch.randn(batch, 9, generator=g)}
 
 
-@pytest.fixture(scope="module")
-def policy():
-    return _policy().eval()
+@pytest.fixture(scope="module", params=MODELS)
+def policy(request):
+    return _policy(request.param).eval()
 
 
 def test_rollout_log_probs_equal_the_teacher_forced_ones(policy):
@@ -59,8 +63,9 @@ def test_greedy_actions_are_each_tokens_mode_and_decode_into_the_box(policy):
     assert actions.shape == (6, ACTION_DIM) and bool((actions.abs() <= 1).all())
 
 
-def test_lora_update_changes_only_adapters_and_value_head():
-    policy = _policy("policy.lora_rank=4")
+@pytest.mark.parametrize("model", MODELS)
+def test_lora_update_changes_only_adapters_and_value_head(model):
+    policy = _policy(model, "policy.lora_rank=4")
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n or n.startswith("value_head") for n in trainable)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
@@ -81,17 +86,19 @@ def test_a_saved_model_directory_loads_offline_and_acts_identically(tmp_path, mo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     policy.model.save_pretrained(tmp_path)
     policy.tokenizer.save_pretrained(tmp_path)
-    loaded = _policy(f"policy.model_path={tmp_path}", seed=1).eval()
+    model = "openvla_tiny" if type(policy).__name__ == "OpenVLAPolicy" else "qwen_vl_tiny"
+    loaded = _policy(model, f"policy.model_path={tmp_path}", seed=1).eval()
     loaded.value_head.load_state_dict(policy.value_head.state_dict())
     obs, noise = _obs(), torch.randn(6, ACTION_DIM, generator=torch.Generator().manual_seed(3))
     for a, b in zip(loaded.act(obs, noise=noise), policy.act(obs, noise=noise), strict=True):
         assert torch.equal(a, b)
 
 
-def test_policy_needs_images():
+@pytest.mark.parametrize("model", MODELS)
+def test_policy_needs_images(model):
     from embodied.errors import UserError
 
-    cfg = compose(["policy=openvla_tiny"]).policy
+    cfg = compose([f"policy={model}"]).policy
     with pytest.raises(UserError, match="obs_mode: rgb"):
         make_policy(cfg, {"state": ((9,), torch.float32)}, ACTION_DIM)
 

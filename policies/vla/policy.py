@@ -26,7 +26,7 @@ from policies.vla.processor import byte_tokenizer, pixel_values, tokenize_prompt
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _instructions(obs: dict[str, torch.Tensor], fallback: str) -> list[str]:
+def instructions_of(obs: dict[str, torch.Tensor], fallback: str) -> list[str]:
     if "instruction" not in obs:
         return [fallback] * obs["rgb"].shape[0]
     from envs.libero import decode_instruction
@@ -63,7 +63,7 @@ class TokenVLAPolicy(nn.Module):
         raise NotImplementedError
 
     def _prompts(self, obs: dict[str, torch.Tensor]) -> list[str]:
-        return [PROMPT.format(instruction=text.lower()) for text in _instructions(obs, self.instruction)]
+        return [PROMPT.format(instruction=text.lower()) for text in instructions_of(obs, self.instruction)]
 
     def _add_lora(self, module: nn.Module, rank: int) -> None:
         """LoRA adapters in ``module`` (the language model); only they and the value head train."""
@@ -132,14 +132,14 @@ class TokenVLAPolicy(nn.Module):
         return self.actions.decode(self.actions.action_ids.to(actions.device)[actions.long()])
 
 
-def _needs_images(obs_spec: dict, name: str) -> None:
+def require_images(obs_spec: dict, name: str) -> None:
     if "rgb" not in obs_spec:
         from embodied.errors import UserError
 
         raise UserError(f"policy={name} needs camera images: use an env with obs_mode: rgb.")
 
 
-def _value_head(hidden: int) -> nn.Module:
+def make_value_head(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
@@ -149,7 +149,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
-        _needs_images(obs_spec, "openvla")
+        require_images(obs_spec, "openvla")
         if cfg.model_path:
             from transformers import AutoTokenizer
 
@@ -161,7 +161,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
         self.action_dim, self.temperature, self.instruction = action_dim, cfg.temperature, cfg.instruction
         self.image_size = self.model.config.image_sizes[0]
         self.actions = ActionTokenizer(ActionStats.identity(action_dim), vocab_size=len(self.tokenizer))
-        self.value_head = _value_head(self.model.config.text_config.hidden_size)
+        self.value_head = make_value_head(self.model.config.text_config.hidden_size)
         if cfg.lora_rank:
             self._add_lora(self.model.language_model, cfg.lora_rank)
 
