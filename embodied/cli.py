@@ -1,4 +1,4 @@
-"""``embodied``: train | eval | record | bench | check-render | setup-render.
+"""``embodied``: train | sft | eval | record | bench | check-render | setup-render.
 
 Arguments after the subcommand are Hydra overrides, e.g.
 ``embodied train env=maniskill_pickcube algorithm.lr=3e-4``.
@@ -200,6 +200,39 @@ def cmd_record(overrides: list[str]) -> int:
     return 0
 
 
+def cmd_sft(overrides: list[str]) -> int:
+    """``embodied sft [overrides]``: warm-start a VLA on motion-planner demos, then evaluate it."""
+    from embodied.checkpoint import load_checkpoint
+    from embodied.config import compose
+    from embodied.evaluate import summarize, write_eval
+    from embodied.runner import Workers
+    from embodied.sft import train_sft
+    from envs.registry import check_env_config, seed_scheme
+    from policies.registry import check_policy_name
+
+    cfg = compose(overrides)
+    check_env_config(cfg.env)
+    check_policy_name(cfg.policy.name)
+    run_dir = Path(cfg.runner.run_dir) if cfg.runner.run_dir else (
+        Path("runs") / f"sft-{cfg.env.task}-{cfg.policy.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    stats = train_sft(cfg, run_dir)
+    workers = Workers(cfg)
+    try:
+        workers.load_actor_state(load_checkpoint(run_dir)["actor"], weights_only=True)
+        rows, _ = workers.evaluate(seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval), cfg.eval.deterministic,
+                                   progress=cfg.runner.progress)
+    finally:
+        workers.shutdown()
+    summary = summarize(rows, cfg.env)
+    summary["sft"] = stats
+    print(write_eval(run_dir, summary))
+    print(f"SFT on {stats['demos']} demos ({stats['steps']} steps), {cfg.sft.epochs} epochs: "
+          f"loss {stats['sft/loss']:.3f}, token accuracy {stats['sft/token_accuracy']:.3f}; "
+          f"eval success_once {summary['success_once']:.3f}")
+    print(run_dir.resolve())
+    return 0
+
+
 def cmd_check_render() -> int:
     from envs.rendering import check_render
 
@@ -266,12 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
     parser.add_argument("--json", action="store_true", help="bench: print the results as JSON")
     parser.add_argument("--iterations", type=int, default=2, help="bench: measured iterations per mode")
-    parser.add_argument("command", choices=["train", "eval", "record", "bench", "check-render", "setup-render"])
+    parser.add_argument("command", choices=["train", "sft", "eval", "record", "bench", "check-render", "setup-render"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
                         "(bench: the benchmark name first, e.g. `embodied bench pipeline`)")
     args = parser.parse_intermixed_args(argv)
     commands = {
         "train": lambda: cmd_train(args.overrides, print_cfg=args.cfg == "job"),
+        "sft": lambda: cmd_sft(args.overrides),
         "eval": lambda: cmd_eval(args.overrides),
         "record": lambda: cmd_record(args.overrides),
         "bench": lambda: cmd_bench(args.overrides, args.json, args.iterations),

@@ -132,6 +132,18 @@ class EvalConfig:
 
 
 @dataclass
+class SFTConfig:
+    """``embodied sft``: supervised warm start on motion-planner demonstrations (envs/demos.py)."""
+
+    demos: int = 100  # successful demos to record (cached under demos_dir)
+    demo_seed: int = 2_000_000  # demo k is planned from reset seed demo_seed + k (disjoint from eval seeds)
+    demos_dir: str = "runs/demos"
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 3e-4
+
+
+@dataclass
 class RunnerConfig:
     total_env_steps: int = 1_000_000
     max_minutes: float | None = None  # stop training after this wall-clock budget
@@ -154,6 +166,7 @@ class TrainConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     checkpoint: str | None = None  # a checkpoint file or run dir: eval/record it, or warm-start train
     resume: str | None = None  # a run directory to continue training

@@ -21,9 +21,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 Obs = dict[str, torch.Tensor]
+INSTRUCTION_BYTES = 128  # room for a task's language instruction (LIBERO's longest has 87)
+
+
+def encode_instruction(text: str) -> np.ndarray:
+    """A language instruction as an observation: UTF-8 bytes, zero-padded, uint8 ``[INSTRUCTION_BYTES]``."""
+    data = text.encode()[:INSTRUCTION_BYTES]
+    out = np.zeros(INSTRUCTION_BYTES, dtype=np.uint8)
+    out[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return out
+
+
+def decode_instruction(row) -> str:
+    """``obs["instruction"][i]`` (numpy or torch uint8 ``[INSTRUCTION_BYTES]``) -> the text."""
+    data = bytes(np.asarray(row, dtype=np.uint8).tolist())
+    return data.rstrip(b"\0").decode()
 
 
 @dataclass

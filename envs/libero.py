@@ -11,7 +11,7 @@ Observations: ``rgb`` (agentview, upright) and ``wrist_rgb`` (eye in hand, uprig
 uint8 ``[H, W, 3]``, unless ``obs_mode=state`` (no cameras, no rendering); ``state``
 (end-effector position, axis-angle orientation, gripper joint positions: 8 floats);
 ``task`` (one-hot float32 ``[num_tasks]``) and ``instruction`` (the task's language
-instruction, UTF-8, zero-padded: uint8 ``[INSTRUCTION_BYTES]``; :func:`decode_instruction`).
+instruction, UTF-8, zero-padded: uint8 ``[INSTRUCTION_BYTES]``; :func:`envs.base.decode_instruction`).
 Actions: 7 floats, delta end-effector pose (OSC_POSE) and gripper, in [-1, 1].
 Success is the task's own BDDL goal predicate. The evaluation protocol is
 docs/libero_protocol.md.
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from envs.base import encode_instruction
 from envs.registry import SeedScheme, register_env
 from envs.subproc import SubprocVecEnv
 
@@ -39,7 +40,6 @@ MAX_STEPS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "l
              "libero_90": 400, "libero_130": 520}
 SETTLE_STEPS = 10  # no-op steps after placing the init state: objects fall into place
 NOOP_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float32)  # gripper open
-INSTRUCTION_BYTES = 128  # the longest LIBERO instruction (libero_90) has 87
 OBS_MODES = ("rgb", "state")
 
 
@@ -58,19 +58,6 @@ def episode_seed(task_index: int, init_index: int) -> int:
 
 def decode_seed(seed: int) -> tuple[int, int]:
     return divmod(int(seed), INIT_STRIDE)
-
-
-def encode_instruction(text: str) -> np.ndarray:
-    data = text.encode()[:INSTRUCTION_BYTES]
-    out = np.zeros(INSTRUCTION_BYTES, dtype=np.uint8)
-    out[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return out
-
-
-def decode_instruction(row) -> str:
-    """``obs["instruction"][i]`` (numpy or torch uint8 ``[INSTRUCTION_BYTES]``) -> the text."""
-    data = bytes(np.asarray(row, dtype=np.uint8).tolist())
-    return data.rstrip(b"\0").decode()
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import gymnasium as gym
 import numpy as np
 import torch
 
-from envs.base import EpisodeTracker, Obs, StepResult
+from envs.base import EpisodeTracker, Obs, StepResult, encode_instruction
 from envs.registry import register_env
 from envs.rendering import ensure_vulkan_icd
 from envs.subproc import SubprocVecEnv
@@ -37,6 +38,23 @@ class ManiSkillSpec:
     render_backend: str
 
 
+# the language instruction of a task, added to rgb observations (for VLA policies)
+INSTRUCTIONS = {
+    "PushCube-v1": "push the cube to the goal region",
+    "PickCube-v1": "pick up the cube and move it to the goal",
+    "StackCube-v1": "stack the red cube on the green cube",
+    "PullCube-v1": "pull the cube to the goal region",
+}
+
+
+def instruction_for(task: str) -> str:
+    """The task's instruction; other tasks get their name ("PegInsertionSide-v1" -> "peg insertion side")."""
+    if task in INSTRUCTIONS:
+        return INSTRUCTIONS[task]
+    name = task.split("-v")[0]
+    return "".join(f" {c.lower()}" if c.isupper() else c for c in name).strip()
+
+
 def known_tasks() -> list[str]:
     from mani_skill.utils.registration import REGISTERED_ENVS
 
@@ -50,7 +68,6 @@ def default_max_episode_steps(task: str) -> int:
 
 
 def _gym_make(spec: ManiSkillSpec, num_envs: int, sim_backend: str):
-    import gymnasium as gym
     import mani_skill.envs  # noqa: F401  (registers the tasks)
     from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
 
@@ -68,8 +85,20 @@ def _gym_make(spec: ManiSkillSpec, num_envs: int, sim_backend: str):
         human_render_camera_configs=dict(width=spec.render_size, height=spec.render_size),
     )
     if spec.obs_mode != "state":
-        env = FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=True)
+        env = WithInstruction(FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=True),
+                               instruction_for(spec.task), num_envs)
     return env
+
+
+class WithInstruction(gym.ObservationWrapper):
+    """Adds ``instruction``: the task's instruction, uint8 ``[num_envs, INSTRUCTION_BYTES]``."""
+
+    def __init__(self, env, text: str, num_envs: int):
+        super().__init__(env)
+        self.instruction = torch.from_numpy(encode_instruction(text)).expand(num_envs, -1).contiguous()
+
+    def observation(self, observation):
+        return {**observation, "instruction": self.instruction.to(observation["rgb"].device)}
 
 
 def _as_obs_dict(obs) -> dict[str, torch.Tensor]:

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
+from envs.base import decode_instruction
 from envs.libero import (
     SUITES,
     LiberoEnv,
     LiberoSpec,
-    decode_instruction,
     decode_seed,
     episode_seed,
     suite_tasks,

@@ -29,7 +29,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def instructions_of(obs: dict[str, torch.Tensor], fallback: str) -> list[str]:
     if "instruction" not in obs:
         return [fallback] * obs["rgb"].shape[0]
-    from envs.libero import decode_instruction
+    from envs.base import decode_instruction
 
     return [decode_instruction(row) for row in obs["instruction"].cpu()]
 

@@ -1,0 +1,91 @@
+"""Supervised warm start: a token policy (VLA) learns the motion planner's demonstrations.
+
+Read top to bottom: record (or load the cached) demos, then ``sft.epochs`` epochs of
+minibatches of cross-entropy over the demo actions' tokens (their bins under the policy's
+action tokenizer), then a checkpoint in the format ``train`` (``checkpoint=`` warm start),
+``eval`` and ``record`` read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from embodied.checkpoint import save_checkpoint
+from embodied.config import TrainConfig, to_yaml
+from embodied.errors import UserError
+from embodied.runner import Progress
+from envs.demos import Demos, generate_demos
+from policies.registry import make_policy
+
+
+def demos_for(cfg: TrainConfig, progress: bool) -> Demos:
+    """The run's demos from the cache, or recorded now and cached."""
+    e, s = cfg.env, cfg.sft
+    name = f"{e.task}-{e.obs_mode}{e.image_size}-{s.demos}demos-seed{s.demo_seed}.pt"
+    path = Path(s.demos_dir) / name
+    if path.exists():
+        return Demos.load(path)
+    demos = generate_demos(e, s.demos, s.demo_seed, progress=progress)
+    demos.save(path)
+    return demos
+
+
+def sft_step(policy, optimizer, obs: dict, actions: torch.Tensor) -> dict[str, float]:
+    """One gradient step of cross-entropy over the action tokens of ``actions [B, A]``."""
+    bins = policy.actions.bins(actions)
+    logp, _ = policy.bin_distributions(obs, bins.float())
+    token_logp = logp.gather(-1, bins.unsqueeze(-1)).squeeze(-1)
+    loss = -token_logp.mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss.item(), "token_accuracy": (logp.argmax(-1) == bins).float().mean().item()}
+
+
+def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
+    """Warm-start ``cfg.policy`` on demos of ``cfg.env.task``; returns the last epoch's statistics."""
+    from embodied.run_logger import RunLogger
+
+    demos = demos_for(cfg, cfg.runner.progress)
+    obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in demos.obs.items()}
+    torch.manual_seed(cfg.runner.seed)
+    policy = make_policy(cfg.policy, obs_spec, demos.actions.shape[-1])
+    if not hasattr(policy, "bin_distributions"):
+        raise UserError(f"embodied sft trains token policies (VLAs): policy={cfg.policy.name} has no action "
+                        "tokens. Use policy=openvla_tiny or policy=qwen_vl_tiny (or a real VLA config).")
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.sft.lr)
+    generator = torch.Generator().manual_seed(cfg.runner.seed)
+    steps_per_epoch = math.ceil(len(demos) / cfg.sft.batch_size)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    log = RunLogger(run_dir, cfg.sft.epochs * len(demos), progress=cfg.runner.progress)
+    log.note("sft", f"{len(demos)} steps from {len(demos.seeds)} demos of {demos.task} ('{demos.instruction}')")
+    policy.train()
+    stats: dict[str, float] = {}
+    for epoch in range(cfg.sft.epochs):
+        order = torch.randperm(len(demos), generator=generator)
+        totals = {"loss": 0.0, "token_accuracy": 0.0}
+        for start in range(0, len(demos), cfg.sft.batch_size):
+            idx = order[start:start + cfg.sft.batch_size]
+            step = sft_step(policy, optimizer, {k: v[idx] for k, v in demos.obs.items()}, demos.actions[idx])
+            for key in totals:
+                totals[key] += step[key] / steps_per_epoch
+            log.advance(len(idx))
+        stats = {f"sft/{k}": v for k, v in totals.items()}
+        log.scalars(stats, (epoch + 1) * len(demos))
+    log.close()
+    state = {
+        "actor": {"policy": policy.state_dict(), "optimizer": optimizer.state_dict(),
+                  "generator": generator.get_state(), "torch_rng": torch.get_rng_state()},
+        "progress": asdict(Progress()),  # RL has not started: `train checkpoint=` warm-starts from here
+        "config_yaml": to_yaml(cfg),
+        "obs_spec": obs_spec,
+        "action_dim": demos.actions.shape[-1],
+        "sft": {**stats, "demos": len(demos.seeds), "steps": len(demos), **asdict(cfg.sft)},
+    }
+    save_checkpoint(run_dir, 0, state)
+    return state["sft"]
