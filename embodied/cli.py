@@ -208,11 +208,11 @@ def cmd_sft(overrides: list[str]) -> int:
     from embodied.runner import Workers
     from embodied.sft import train_sft
     from envs.registry import check_env_config, seed_scheme
-    from policies.registry import check_policy_name
+    from policies.registry import check_policy_config
 
     cfg = compose(overrides)
     check_env_config(cfg.env)
-    check_policy_name(cfg.policy.name)
+    check_policy_config(cfg.policy)
     run_dir = Path(cfg.runner.run_dir) if cfg.runner.run_dir else (
         Path("runs") / f"sft-{cfg.env.task}-{cfg.policy.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     stats = train_sft(cfg, run_dir)

@@ -23,7 +23,7 @@ from embodied.workers.env_worker import EnvWorker
 from embodied.workers.rollout_worker import BOOTSTRAP_MASKS, RolloutWorker
 from envs.registry import check_env_config, seed_scheme
 from envs.subproc import EnvCrashedError
-from policies.registry import check_policy_name
+from policies.registry import check_policy_config
 from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.context_switch import ContextSwitcher
@@ -51,7 +51,7 @@ class Workers:
         self.cfg = cfg
         # bad names fail here, in seconds, before any worker starts
         check_env_config(cfg.env)
-        check_policy_name(cfg.policy.name)
+        check_policy_config(cfg.policy)
         for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
                                (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap)):
             registry.get(name)

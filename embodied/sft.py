@@ -19,7 +19,7 @@ from embodied.config import TrainConfig, to_yaml
 from embodied.errors import UserError
 from embodied.runner import Progress
 from envs.demos import Demos, generate_demos
-from policies.registry import make_policy
+from policies.registry import POLICIES, make_policy
 
 
 def demos_for(cfg: TrainConfig, progress: bool) -> Demos:
@@ -50,13 +50,13 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
     """Warm-start ``cfg.policy`` on demos of ``cfg.env.task``; returns the last epoch's statistics."""
     from embodied.run_logger import RunLogger
 
+    if not hasattr(POLICIES.get(cfg.policy.name), "bin_distributions"):
+        raise UserError(f"embodied sft trains token policies (VLAs): policy={cfg.policy.name} has no action "
+                        "tokens. Use policy=openvla_tiny or policy=qwen_vl_tiny (or a real VLA config).")
     demos = demos_for(cfg, cfg.runner.progress)
     obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in demos.obs.items()}
     torch.manual_seed(cfg.runner.seed)
     policy = make_policy(cfg.policy, obs_spec, demos.actions.shape[-1])
-    if not hasattr(policy, "bin_distributions"):
-        raise UserError(f"embodied sft trains token policies (VLAs): policy={cfg.policy.name} has no action "
-                        "tokens. Use policy=openvla_tiny or policy=qwen_vl_tiny (or a real VLA config).")
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.sft.lr)
     generator = torch.Generator().manual_seed(cfg.runner.seed)
     steps_per_epoch = math.ceil(len(demos) / cfg.sft.batch_size)

@@ -22,6 +22,13 @@ import numpy as np
 import torch
 
 from embodied.registry import Registry
+from envs.maniskill import (
+    ManiSkillSpec,
+    as_obs_dict,
+    default_max_episode_steps,
+    instruction_for,
+    make_gym_env,
+)
 
 DELTA_SCALE = 0.1  # pd_joint_delta_pos: one unit of action moves a joint target by 0.1 rad
 # task -> "module:function" of its planner solution in mani_skill.examples.motionplanning.panda.solutions
@@ -82,7 +89,7 @@ class _Recorder:
         target = np.asarray(action, dtype=np.float32).reshape(-1)
         qpos = self.env.unwrapped.agent.robot.get_qpos()[0, :7].cpu().numpy()
         delta = np.clip((target[:7] - qpos) / DELTA_SCALE, -1.0, 1.0)
-        self.obs.append({k: v[0].cpu() for k, v in self._last.items()})
+        self.obs.append({k: v[0].cpu() for k, v in as_obs_dict(self._last).items()})
         self.actions.append(np.concatenate([delta, target[7:]]).astype(np.float32))
         obs, reward, terminated, truncated, info = self.env.step(action)
         self._last = obs
@@ -97,14 +104,13 @@ def generate_demos(env_cfg, episodes: int, seed: int, progress: bool = True) -> 
 
     from tqdm import tqdm
 
-    from envs.maniskill import ManiSkillSpec, _gym_make, default_max_episode_steps, instruction_for
     from envs.rendering import ensure_vulkan_icd
 
     ensure_vulkan_icd()
     solve = _planner(env_cfg.task)
     spec = ManiSkillSpec(env_cfg.task, env_cfg.obs_mode, "pd_joint_pos", env_cfg.reward_mode,
                          4 * default_max_episode_steps(env_cfg.task), env_cfg.image_size, env_cfg.render_size, "cpu")
-    env = _Recorder(_gym_make(spec, num_envs=1, sim_backend="physx_cpu"))
+    env = _Recorder(make_gym_env(spec, num_envs=1, sim_backend="physx_cpu"))
     obs, actions, episode, seeds = [], [], [], []
     bar = tqdm(total=episodes, unit="demo", desc="demos", disable=not progress, file=sys.stderr)
     try:

@@ -67,7 +67,7 @@ def default_max_episode_steps(task: str) -> int:
     return int(REGISTERED_ENVS[task].max_episode_steps or 100)
 
 
-def _gym_make(spec: ManiSkillSpec, num_envs: int, sim_backend: str):
+def make_gym_env(spec: ManiSkillSpec, num_envs: int, sim_backend: str):
     import mani_skill.envs  # noqa: F401  (registers the tasks)
     from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
 
@@ -101,7 +101,7 @@ class WithInstruction(gym.ObservationWrapper):
         return {**observation, "instruction": self.instruction.to(observation["rgb"].device)}
 
 
-def _as_obs_dict(obs) -> dict[str, torch.Tensor]:
+def as_obs_dict(obs) -> dict[str, torch.Tensor]:
     return {"state": obs} if isinstance(obs, torch.Tensor) else dict(obs)
 
 
@@ -111,7 +111,7 @@ class ManiSkillCPUEnv:
     def __init__(self, spec: ManiSkillSpec):
         ensure_vulkan_icd()
         self.spec = spec
-        self.env = _gym_make(spec, num_envs=1, sim_backend="physx_cpu")
+        self.env = make_gym_env(spec, num_envs=1, sim_backend="physx_cpu")
         self.max_episode_steps = spec.max_episode_steps
         self.action_dim = int(np.prod(self.env.action_space.shape[-1:]))
         first = self.reset(0)
@@ -119,7 +119,7 @@ class ManiSkillCPUEnv:
 
     @staticmethod
     def _numpy(obs) -> dict[str, np.ndarray]:
-        return {k: v[0].cpu().numpy() for k, v in _as_obs_dict(obs).items()}
+        return {k: v[0].cpu().numpy() for k, v in as_obs_dict(obs).items()}
 
     def reset(self, seed: int | None) -> dict[str, np.ndarray]:
         obs, _ = self.env.reset(seed=seed)
@@ -150,33 +150,33 @@ class ManiSkillGPUVecEnv:
         self.spec = spec
         self.num_envs = num_envs
         self.max_episode_steps = spec.max_episode_steps
-        base = _gym_make(spec, num_envs=num_envs, sim_backend="physx_cuda")
+        base = make_gym_env(spec, num_envs=num_envs, sim_backend="physx_cuda")
         self.env = ManiSkillVectorEnv(base, num_envs, auto_reset=True)
         self.device = torch.device("cuda")
         self.action_dim = int(self.env.single_action_space.shape[-1])
         obs, _ = self.env.reset(seed=0)
-        self.obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in _as_obs_dict(obs).items()}
+        self.obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in as_obs_dict(obs).items()}
         self.tracker = EpisodeTracker(num_envs)
 
     def reset(self, seed: int | list[int] | None = None) -> tuple[Obs, dict]:
         obs, info = self.env.reset(seed=seed)
         self.tracker.reset()
-        return _as_obs_dict(obs), {}
+        return as_obs_dict(obs), {}
 
     def step(self, actions: torch.Tensor) -> StepResult:
         obs, reward, terminated, truncated, info = self.env.step(actions.to(self.device))
         done = terminated | truncated
         success = info.get("success", torch.zeros_like(done))
-        final_obs = _as_obs_dict(obs)
+        final_obs = as_obs_dict(obs)
         if "final_observation" in info:
-            final_obs = _as_obs_dict(info["final_observation"])
+            final_obs = as_obs_dict(info["final_observation"])
             success = torch.where(done, info["final_info"]["success"], success)
         out_info = {
             "success": success,
             "final_obs": final_obs,
             "episode": self.tracker.update(reward, success, done),
         }
-        return StepResult(_as_obs_dict(obs), reward.float(), terminated, truncated, out_info)
+        return StepResult(as_obs_dict(obs), reward.float(), terminated, truncated, out_info)
 
     def set_ignore_terminations(self, flag: bool) -> None:
         self.env.ignore_terminations = flag

@@ -21,6 +21,15 @@ def check_policy_name(name: str) -> None:
     POLICIES.get(name)
 
 
+def check_policy_config(policy_cfg) -> None:
+    """Raise a UserError for an unknown policy name or a ``model_path`` that holds no model."""
+    check_policy_name(policy_cfg.name)
+    if policy_cfg.model_path:
+        from policies.vla.policy import require_model_dir
+
+        require_model_dir(policy_cfg.model_path, "the model")
+
+
 def make_policy(policy_cfg, obs_spec: dict, action_dim: int):
     """Build the policy ``policy_cfg.name`` for observations ``obs_spec`` and ``action_dim`` actions."""
     _import_policies()

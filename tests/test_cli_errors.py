@@ -22,6 +22,10 @@ CASES = {
     "unknown LIBERO suite": (["eval", "env=libero_spatial", "env.task=libero_spatail"], ["libero_spatial"]),
     "LIBERO obs mode": (["eval", "env=libero_spatial", "env.obs_mode=depth"], ["obs_mode", "'state'"]),
     "no trials": (["eval", "env=libero_spatial", "eval.trials_per_task=0"], ["trials_per_task"]),
+    "VLA checkpoint not there": (["train", "env=maniskill_pushcube_rgb", "policy=openvla_7b_lora"],
+                                 ["checkpoints/openvla-7b", "huggingface-cli download"]),
+    "SFT of a policy without tokens": (["sft", "policy=mlp", "sft.demos=1", "sft.demos_dir=/tmp/embodied-test-demos"],
+                                       ["token policies", "openvla_tiny"]),
     "bad resume dir": (["train", "resume=/nonexistent/run"], ["resume", "config.yaml"]),
     "placement: more devices than exist": (["train", "placement.env=0-7"], ["placement.env", "ray.num_cpus"]),
     "placement: overlap hybrid forbids": (

@@ -14,6 +14,7 @@ rollouts are as reproducible as a Gaussian policy's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -132,6 +133,16 @@ class TokenVLAPolicy(nn.Module):
         return self.actions.decode(self.actions.action_ids.to(actions.device)[actions.long()])
 
 
+def require_model_dir(path: str, hub_id: str) -> None:
+    """A clear error for a ``policy.model_path`` that is not a saved model directory."""
+    if not (Path(path) / "config.json").exists():
+        from embodied.errors import UserError
+
+        raise UserError(f"policy.model_path={path} is not a model directory (no config.json there). Nothing is "
+                        f"downloaded at run time: fetch {hub_id} on a machine with internet (`huggingface-cli "
+                        f"download {hub_id} --local-dir {path}`), copy it here, or use a *_tiny policy config.")
+
+
 def require_images(obs_spec: dict, name: str) -> None:
     if "rgb" not in obs_spec:
         from embodied.errors import UserError
@@ -153,6 +164,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
         if cfg.model_path:
             from transformers import AutoTokenizer
 
+            require_model_dir(cfg.model_path, "openvla/openvla-7b")
             self.model = OpenVLAForActionPrediction.from_pretrained(cfg.model_path)
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         else:

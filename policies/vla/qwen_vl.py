@@ -23,6 +23,7 @@ from policies.vla.policy import (
     instructions_of,
     make_value_head,
     require_images,
+    require_model_dir,
 )
 from policies.vla.processor import byte_tokenizer, tokenize_prompts
 
@@ -66,6 +67,7 @@ class QwenVLPolicy(TokenVLAPolicy):
         if cfg.model_path:
             from transformers import AutoTokenizer
 
+            require_model_dir(cfg.model_path, "Qwen/Qwen2.5-VL-3B-Instruct")
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
             self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(cfg.model_path)
         else:
