@@ -66,6 +66,15 @@ class TokenVLAPolicy(nn.Module):
     def _prompts(self, obs: dict[str, torch.Tensor]) -> list[str]:
         return [PROMPT.format(instruction=text.lower()) for text in instructions_of(obs, self.instruction)]
 
+    def _setup_rl(self, cfg, action_dim: int, actions: ActionTokenizer, hidden: int, lora_target: nn.Module) -> None:
+        """What every VLA policy adds to its backbone: action tokens, sampling settings, a value
+        head on ``hidden``-wide states and, with ``policy.lora_rank``, LoRA in ``lora_target``."""
+        self.action_dim, self.actions = action_dim, actions
+        self.temperature, self.instruction = cfg.temperature, cfg.instruction
+        self.value_head = make_value_head(hidden)
+        if cfg.lora_rank:
+            self._add_lora(lora_target, cfg.lora_rank)
+
     def _add_lora(self, module: nn.Module, rank: int) -> None:
         """LoRA adapters in ``module`` (the language model); only they and the value head train."""
         from peft import LoraConfig, inject_adapter_in_model
@@ -170,12 +179,9 @@ class OpenVLAPolicy(TokenVLAPolicy):
         else:
             self.tokenizer = byte_tokenizer()
             self.model = OpenVLAForActionPrediction(tiny_config(len(self.tokenizer), cfg.image_size))
-        self.action_dim, self.temperature, self.instruction = action_dim, cfg.temperature, cfg.instruction
         self.image_size = self.model.config.image_sizes[0]
-        self.actions = ActionTokenizer(ActionStats.identity(action_dim), vocab_size=len(self.tokenizer))
-        self.value_head = make_value_head(self.model.config.text_config.hidden_size)
-        if cfg.lora_rank:
-            self._add_lora(self.model.language_model, cfg.lora_rank)
+        self._setup_rl(cfg, action_dim, ActionTokenizer(ActionStats.identity(action_dim), vocab_size=len(self.tokenizer)),
+                       self.model.config.text_config.hidden_size, self.model.language_model)
 
     def _run(self, obs, action_ids=None, use_cache=False):
         ids, mask = tokenize_prompts(self.tokenizer, self._prompts(obs))

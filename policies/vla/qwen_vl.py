@@ -21,7 +21,6 @@ from policies.vla.policy import (
     DecodeState,
     TokenVLAPolicy,
     instructions_of,
-    make_value_head,
     require_images,
     require_model_dir,
 )
@@ -79,14 +78,12 @@ class QwenVLPolicy(TokenVLAPolicy):
             self.model = Qwen2_5_VLForConditionalGeneration(tiny_qwen_config(self.tokenizer, cfg.image_size))
         if self.model.get_input_embeddings().weight.shape[0] < len(self.tokenizer):
             self.model.resize_token_embeddings(len(self.tokenizer))
-        self.action_dim, self.temperature, self.instruction = action_dim, cfg.temperature, cfg.instruction
         first = self.tokenizer.convert_tokens_to_ids(action_token(0))
-        self.actions = ActionTokenizer(ActionStats.identity(action_dim), mode="added", first_id=first)
+        actions = ActionTokenizer(ActionStats.identity(action_dim), mode="added", first_id=first)
+        self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size,
+                       self.model.model.language_model)
         # images are resized to multiples of 28 px within these pixel counts (64 -> 56 px: 4 image tokens)
         self.images = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": cfg.image_size ** 2})
-        self.value_head = make_value_head(self.model.config.text_config.hidden_size)
-        if cfg.lora_rank:
-            self._add_lora(self.model.model.language_model, cfg.lora_rank)
 
     def _qwen_prompts(self, obs, image_tokens: int) -> list[str]:
         start, pad, end = VISION_TOKENS
