@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from embodied.bench.pipeline import ModeResult, summarize
 from tests.conftest import run_cli
 
@@ -21,6 +23,7 @@ def test_summary_bounds_from_serial_stage_times():
     assert [m["speedup"] for m in summary["modes"]] == [10.0 / 9.0, 10.0 / 7.5, 10.0 / 8.0, 10.0 / 11.0]
 
 
+@pytest.mark.slow  # ~90 s on 2 cores: the suite must stay under 15 min (the bench's figures are in the notes)
 def test_bench_pipeline_json_table_and_timeline(tmp_path):
     proc = run_cli("bench", "pipeline", "--json", "--iterations", "1", *CHEAP, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

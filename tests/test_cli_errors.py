@@ -17,7 +17,7 @@ CASES = {
     "missing checkpoint": (["eval", "checkpoint=/nonexistent/run"], ["/nonexistent/run", "checkpoint="]),
     "training the random baseline": (["train", "policy.name=random"], ["nothing to train", "policy=mlp"]),
     "GRPO group too small": (["train", "algorithm=grpo", "algorithm.group_size=1"], ["group_size=1", ">= 2"]),
-    "GRPO episode longer than an iteration": (["train", "algorithm=grpo", "algorithm.group_size=4",
+    "GRPO episode longer than an iteration": (["train", "algorithm=grpo", "algorithm.group_size=4", "env.num_envs=8",
                                                "algorithm.rollout_steps=10"], ["rollout_steps=10", "null"]),
     "unknown LIBERO suite": (["eval", "env=libero_spatial", "env.task=libero_spatail"], ["libero_spatial"]),
     "LIBERO obs mode": (["eval", "env=libero_spatial", "env.obs_mode=depth"], ["obs_mode", "'state'"]),
