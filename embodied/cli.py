@@ -142,11 +142,25 @@ def _out_dir(cfg, ckpt_path: Path | None, name: str) -> Path:
     return Path("runs") / f"{name}-{cfg.env.task}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[int] = frozenset()):
+    """Evaluate ``actor_state`` (None: the policy as built) on ``seeds`` with fresh workers.
+    Returns ``(rows, videos, max episode steps)``."""
+    from embodied.runner import Workers
+
+    workers = Workers(cfg)
+    try:
+        if actor_state is not None:
+            workers.load_actor_state(actor_state, weights_only=True)
+        rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
+        return rows, videos, workers.max_episode_steps
+    finally:
+        workers.shutdown()
+
+
 def cmd_eval(overrides: list[str]) -> int:
     """Run the env backend's evaluation protocol; without a checkpoint, the policy as built
     (``policy=random``: the random baseline). Writes eval.json, eval.md and videos/."""
     from embodied.evaluate import summarize, video_episodes, write_episode_video, write_eval
-    from embodied.runner import Workers
     from envs.registry import check_env_config, seed_scheme
 
     cfg, state, path = _checkpointed(overrides)
@@ -159,14 +173,7 @@ def cmd_eval(overrides: list[str]) -> int:
     if state is None:
         print(f"note: no checkpoint given: evaluating policy={cfg.policy.name} as initialised", file=sys.stderr)
     t0 = time.perf_counter()
-    workers = Workers(cfg)
-    try:
-        if state is not None:
-            workers.load_actor_state(state["actor"], weights_only=True)
-        rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
-        max_steps = workers.max_episode_steps
-    finally:
-        workers.shutdown()
+    rows, videos, max_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)
     summary = summarize(rows, cfg.env)
     wall_s = time.perf_counter() - t0
     env_steps = max_steps * cfg.env.num_envs * math.ceil(len(seeds) / cfg.env.num_envs)  # padding included
@@ -205,7 +212,6 @@ def cmd_sft(overrides: list[str]) -> int:
     from embodied.checkpoint import load_checkpoint
     from embodied.config import compose
     from embodied.evaluate import summarize, write_eval
-    from embodied.runner import Workers
     from embodied.sft import train_sft
     from envs.registry import check_env_config, seed_scheme
     from policies.registry import check_policy_config
@@ -216,13 +222,7 @@ def cmd_sft(overrides: list[str]) -> int:
     run_dir = Path(cfg.runner.run_dir) if cfg.runner.run_dir else (
         Path("runs") / f"sft-{cfg.env.task}-{cfg.policy.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     stats = train_sft(cfg, run_dir)
-    workers = Workers(cfg)
-    try:
-        workers.load_actor_state(load_checkpoint(run_dir)["actor"], weights_only=True)
-        rows, _ = workers.evaluate(seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval), cfg.eval.deterministic,
-                                   progress=cfg.runner.progress)
-    finally:
-        workers.shutdown()
+    rows, _, _ = _run_protocol(cfg, load_checkpoint(run_dir)["actor"], seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval))
     summary = summarize(rows, cfg.env)
     summary["sft"] = stats
     print(write_eval(run_dir, summary))

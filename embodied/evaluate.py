@@ -119,8 +119,8 @@ def recording_seeds(env_cfg, eval_cfg, episodes: int) -> list[int]:
     """``episodes`` seeds of the evaluation protocol to record: one per task first (LIBERO's
     first tasks' first init states), then the protocol's order (ManiSkill: eval.seed + k)."""
     seeds = seed_scheme(env_cfg).eval_seeds(env_cfg, eval_cfg)
-    firsts = sorted(video_episodes(seeds, env_cfg, per_task=1))
-    order = firsts + [k for k in range(len(seeds)) if k not in set(firsts)]
+    firsts = video_episodes(seeds, env_cfg, per_task=1)
+    order = sorted(firsts) + [k for k in range(len(seeds)) if k not in firsts]
     return [seeds[k] for k in order[:episodes]]
 
 

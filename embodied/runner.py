@@ -299,7 +299,8 @@ class Trainer:
     def train(self) -> dict:
         """Train to ``runner.total_env_steps`` (or ``runner.max_minutes``), then evaluate."""
         cfg, p = self.cfg, self.progress
-        self._reset_envs()
+        if not self.episodic:  # episodic iterations reset the envs themselves
+            self._reset_envs()
         try:
             eval_history: list[float] = []
             while (p.iteration < self.total_iterations and not self._time_is_up()
@@ -368,7 +369,8 @@ class Trainer:
         if success >= 0.9 and p.solved_at_seconds is None:
             p.solved_at_seconds = p.train_seconds + elapsed
             self.log.scalars({"time/solved_minutes": p.solved_at_seconds / 60}, p.env_steps)
-        self._reset_envs()
+        if not self.episodic:  # the evaluation used the envs; episodic iterations reset them anyway
+            self._reset_envs()
         return success
 
     def final_eval(self) -> dict:

@@ -43,6 +43,7 @@ NOOP_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float32)  # gripper open
 OBS_MODES = ("rgb", "state")
 
 
+@functools.cache  # once per process: the log filter must not pile up
 def _configure_paths() -> None:
     """LIBERO reads a config under $LIBERO_CONFIG_PATH (never the home dir); MuJoCo renders with EGL;
     robosuite's import-time advice to write a private macro file (we need none) stays quiet."""
