@@ -144,7 +144,7 @@ def _out_dir(cfg, ckpt_path: Path | None, name: str) -> Path:
 
 def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[int] = frozenset()):
     """Evaluate ``actor_state`` (None: the policy as built) on ``seeds`` with fresh workers.
-    Returns ``(rows, videos, max episode steps)``."""
+    Returns ``(rows, videos, max episode steps)`` (simulator steps, chunks counted in full)."""
     from embodied.runner import Workers
 
     workers = Workers(cfg)
@@ -152,7 +152,7 @@ def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[i
         if actor_state is not None:
             workers.load_actor_state(actor_state, weights_only=True)
         rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
-        return rows, videos, workers.max_episode_steps
+        return rows, videos, workers.max_episode_steps * workers.chunk_size
     finally:
         workers.shutdown()
 

@@ -53,6 +53,8 @@ class PolicyConfig:
     temperature: float = 1.0  # action-token sampling temperature in training rollouts (evaluation is greedy)
     instruction: str = ""  # the language instruction where the env gives none (ManiSkill tasks)
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen
+    chunk_size: int = 1  # VLAs: actions per decision (an action chunk, executed open loop by the env worker)
+    proprio: bool = False  # openvla_oft: feed the env's `state` (proprioception) as one more input token
 
 
 @dataclass
@@ -64,7 +66,9 @@ class AlgorithmConfig:
     anneal_lr: bool = False  # linearly decay lr to 0 over runner.total_env_steps
     gamma: float = 0.8
     gae_lambda: float = 0.9
-    rollout_steps: int | None = 50  # env steps per env per iteration; None: the env's max_episode_steps
+    # decisions per env per iteration (env steps; action chunks of chunk_size steps for chunked VLAs);
+    # None: one episode, the env's max_episode_steps
+    rollout_steps: int | None = 50
     update_epochs: int = 4
     num_minibatches: int = 8
     clip_coef: float = 0.2
@@ -75,6 +79,10 @@ class AlgorithmConfig:
     max_grad_norm: float = 0.5
     target_kl: float | None = 0.1  # stop an update's epochs early past this KL
     normalize_advantages: bool = True
+    # what one PPO ratio covers for token policies (VLAs): "token" (one ratio per action token),
+    # "action" (the sum over an action's tokens) or "chunk" (over a whole action chunk); a Gaussian
+    # policy's log-prob is already one action's. See embodied/algorithms/logprob_levels.py
+    logprob_level: str = "action"
     # where an episode ends, add gamma * V(final obs) to the reward at: "all_ends" (ManiSkill's
     # convention: success ends an episode only to reset the env, its value carries on),
     # "time_limit" (truncations only: terminations are true terminal states) or "none"

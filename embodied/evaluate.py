@@ -143,13 +143,15 @@ def record_videos(policy, env_cfg, seeds: list[int], out_dir: Path, deterministi
             reward, success = None, False
             # frame t shows the scene after t steps; the env auto-resets after its last
             # step, so that final scene is not rendered
+            planned: list[torch.Tensor] = []  # what is left of the policy's action chunk
             for step in range(env.max_episode_steps):
                 video.add(env.render(0), step=step, reward=reward, success=success)
                 if policy is None:
-                    actions = torch.rand(1, env.action_dim, generator=generator) * 2 - 1
-                else:
+                    planned = [torch.rand(1, env.action_dim, generator=generator) * 2 - 1]
+                elif not planned:
                     actions = policy.to_env(policy.act(obs, deterministic=deterministic)[0])
-                result = env.step(actions)
+                    planned = list((actions if actions.dim() == 3 else actions[:, None]).unbind(1))
+                result = env.step(planned.pop(0))
                 reward, success = float(result.reward[0]), bool(result.info["success"][0])
                 obs = result.obs
             paths.append(video.save())

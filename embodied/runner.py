@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embodied.algorithms.advantages import ADVANTAGES, OUTCOME_ADVANTAGES
+from embodied.algorithms.logprob_levels import LOGPROB_LEVELS
 from embodied.algorithms.losses import LOSSES
 from embodied.checkpoint import save_checkpoint
 from embodied.config import TrainConfig, to_yaml
@@ -53,7 +54,8 @@ class Workers:
         check_env_config(cfg.env)
         check_policy_config(cfg.policy)
         for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
-                               (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap)):
+                               (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap),
+                               (LOGPROB_LEVELS, cfg.algorithm.logprob_level)):
             registry.get(name)
         check_placement(cfg.placement, cfg.env.num_envs)
         _check_groups(cfg)
@@ -62,10 +64,11 @@ class Workers:
         threads, stages = cfg.placement.torch_threads, plan.pipeline_stages
         self.envs_per_worker = cfg.env.num_envs // cfg.placement.env_workers
         self.env = WorkerGroup(EnvWorker, "env", plan, threads, env_cfg=cfg.env,
-                               num_envs=self.envs_per_worker, stages=stages)
+                               num_envs=self.envs_per_worker, stages=stages, action_chunk=cfg.policy.chunk_size)
         spec = self.env.call("spec")[0]
         self.obs_spec, self.action_dim = spec["obs_spec"], spec["action_dim"]
-        self.max_episode_steps = spec["max_episode_steps"]
+        # with action chunks a step is a decision: chunk_size simulator steps
+        self.max_episode_steps, self.chunk_size = spec["max_episode_steps"], cfg.policy.chunk_size
         self.steps_per_rollout = cfg.algorithm.rollout_steps or self.max_episode_steps
         _check_episode_fits(cfg, self.steps_per_rollout, self.max_episode_steps)
         common = dict(policy_cfg=cfg.policy, algorithm_cfg=cfg.algorithm,
@@ -261,7 +264,7 @@ class Trainer:
             self.workers.load_actor_state(resume_from["actor"])
         elif warm_start:
             self.workers.load_actor_state(warm_start["actor"], weights_only=True)
-        self.steps_per_iteration = self.workers.steps_per_rollout * cfg.env.num_envs
+        self.steps_per_iteration = self.workers.steps_per_rollout * self.workers.chunk_size * cfg.env.num_envs
         # GRPO: every iteration starts fresh episodes, a group's envs from one initial state
         self.episodic = cfg.algorithm.advantage in OUTCOME_ADVANTAGES
         self.total_iterations = math.ceil(cfg.runner.total_env_steps / self.steps_per_iteration)

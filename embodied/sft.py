@@ -34,9 +34,24 @@ def demos_for(cfg: TrainConfig, progress: bool) -> Demos:
     return demos
 
 
+def chunk_targets(actions: torch.Tensor, episode: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """What a policy decoding ``chunk_size`` actions learns at each demo step: that step's action
+    and the next ones of its demo, the last action repeated past the demo's end.
+
+    ``actions [N, A]``, ``episode [N]`` (demos stored one after another) -> ``[N, chunk_size, A]``.
+    """
+    n = actions.shape[0]
+    last_step = torch.zeros(n, dtype=torch.long)
+    for e in episode.unique():
+        rows = (episode == e).nonzero().flatten()
+        last_step[rows] = rows.max()
+    index = torch.minimum(torch.arange(n)[:, None] + torch.arange(chunk_size), last_step[:, None])
+    return actions[index]
+
+
 def sft_step(policy, optimizer, obs: dict, actions: torch.Tensor) -> dict[str, float]:
-    """One gradient step of cross-entropy over the action tokens of ``actions [B, A]``."""
-    bins = policy.actions.bins(actions)
+    """One gradient step of cross-entropy over the action tokens of ``actions [B, chunk_size, A]``."""
+    bins = policy.actions.bins(actions).flatten(1)
     logp, _ = policy.bin_distributions(obs, bins.float())
     token_logp = logp.gather(-1, bins.unsqueeze(-1)).squeeze(-1)
     loss = -token_logp.mean()
@@ -64,6 +79,7 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     log = RunLogger(run_dir, cfg.sft.epochs * len(demos), progress=cfg.runner.progress)
     log.note("sft", f"{len(demos)} steps from {len(demos.seeds)} demos of {demos.task} ('{demos.instruction}')")
+    targets = chunk_targets(demos.actions, demos.episode, cfg.policy.chunk_size)
     policy.train()
     stats: dict[str, float] = {}
     for epoch in range(cfg.sft.epochs):
@@ -71,7 +87,7 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
         totals = {"loss": 0.0, "token_accuracy": 0.0}
         for start in range(0, len(demos), cfg.sft.batch_size):
             idx = order[start:start + cfg.sft.batch_size]
-            step = sft_step(policy, optimizer, {k: v[idx] for k, v in demos.obs.items()}, demos.actions[idx])
+            step = sft_step(policy, optimizer, {k: v[idx] for k, v in demos.obs.items()}, targets[idx])
             for key in totals:
                 totals[key] += step[key] / steps_per_epoch
             log.advance(len(idx))

@@ -108,9 +108,12 @@ def vector_obs(obs: dict[str, torch.Tensor]) -> torch.Tensor:
 class GaussianActorCritic(nn.Module):
     """Base class: subclasses define ``actor_mean(obs)`` and ``value(obs)``."""
 
+    chunks = False  # one action per decision (policy.chunk_size must be 1)
+
     def __init__(self, action_dim: int, log_std_init: float):
         super().__init__()
         self.action_dim = action_dim
+        self.noise_dim = action_dim  # standard-normal draws per sample (see act)
         self.log_std = nn.Parameter(torch.full((action_dim,), float(log_std_init)))
 
     def actor_mean(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,7 @@ def _import_policies() -> None:
     import policies.cnn  # noqa: F401  (each module registers its policies)
     import policies.mlp  # noqa: F401
     import policies.random  # noqa: F401
+    import policies.vla.oft  # noqa: F401
     import policies.vla.policy  # noqa: F401
     import policies.vla.qwen_vl  # noqa: F401
 
@@ -24,6 +25,12 @@ def check_policy_name(name: str) -> None:
 def check_policy_config(policy_cfg) -> None:
     """Raise a UserError for an unknown policy name or a ``model_path`` that holds no model."""
     check_policy_name(policy_cfg.name)
+    if policy_cfg.chunk_size < 1 or (policy_cfg.chunk_size > 1 and not POLICIES.get(policy_cfg.name).chunks):
+        from embodied.errors import UserError
+
+        raise UserError(f"policy.chunk_size={policy_cfg.chunk_size} is not possible for policy={policy_cfg.name}: "
+                        "action chunks (chunk_size > 1) are for VLA policies (openvla, openvla_oft, qwen_vl); "
+                        "others take chunk_size=1.")
     if policy_cfg.model_path:
         from policies.vla.policy import require_model_dir
 

@@ -1,5 +1,5 @@
-"""VLA policies behind the Policy protocol (tiny OpenVLA and Qwen2.5-VL VLA, CPU): log-probs,
-sampling, LoRA, loading a saved directory."""
+"""VLA policies behind the Policy protocol (tiny OpenVLA, OpenVLA-OFT and Qwen2.5-VL VLA, CPU):
+log-probs at every level, sampling, action chunks, LoRA, loading a saved directory."""
 
 
 import pytest
@@ -13,7 +13,7 @@ SPEC = {"rgb": ((96, 96, 3), torch.uint8), "state": ((9,), torch.float32)}
 ACTION_DIM = 4
 
 
-MODELS = ["openvla_tiny", "qwen_vl_tiny"]
+MODELS = ["openvla_tiny", "openvla_oft_tiny", "qwen_vl_tiny"]
 
 
 def _policy(model: str, *overrides: str, seed: int = 0):
@@ -30,19 +30,49 @@ def _obs(batch: int = 6, seed: int = 0) -> dict:
 
 @pytest.fixture(scope="module", params=MODELS)
 def policy(request):
-    return _policy(request.param).eval()
+    return _policy(request.param, "policy.chunk_size=1").eval()
 
 
-def test_rollout_log_probs_equal_the_teacher_forced_ones(policy):
-    obs, noise = _obs(), torch.randn(6, ACTION_DIM, generator=torch.Generator().manual_seed(1))
-    bins, logprob, value = policy.act(obs, noise=noise)
-    token_logp, entropy, value_again = policy.token_logprobs(obs, bins)
-    action_logp, action_entropy, _ = policy.evaluate(obs, bins)
-    torch.testing.assert_close(token_logp.sum(-1), logprob, atol=1e-4, rtol=0)  # KV-cached vs one pass
-    torch.testing.assert_close(action_logp, token_logp.sum(-1))  # action level = sum of its tokens
-    torch.testing.assert_close(action_entropy, entropy.sum(-1))
+@pytest.fixture(scope="module", params=MODELS)
+def chunked(request):
+    """The same models decoding a chunk of 3 actions per decision."""
+    return _policy(request.param, "policy.chunk_size=3").eval()
+
+
+def test_rollout_log_probs_equal_the_teacher_forced_ones(chunked):
+    tokens = 3 * ACTION_DIM
+    obs, noise = _obs(), torch.randn(6, tokens, generator=torch.Generator().manual_seed(1))
+    bins, logprob, value = chunked.act(obs, noise=noise)
+    token_logp, entropy, value_again = chunked.token_logprobs(obs, bins)
+    new_logp, total_entropy, _ = chunked.evaluate(obs, bins)
+    torch.testing.assert_close(token_logp, logprob, atol=1e-4, rtol=0)  # KV-cached (or parallel) vs one pass
+    torch.testing.assert_close(new_logp, token_logp)
+    torch.testing.assert_close(total_entropy, entropy.sum(-1))
     torch.testing.assert_close(value_again, value, atol=1e-5, rtol=0)
-    assert bins.shape == (6, ACTION_DIM) and bool((token_logp < 0).all())
+    assert bins.shape == logprob.shape == (6, tokens) and bool((token_logp < 0).all())
+
+
+def test_log_prob_levels_sum_consistently(chunked):
+    """chunk = sum of its actions = sum of its tokens; an action = sum of its A tokens."""
+    from embodied.algorithms.logprob_levels import group_logprobs
+
+    bins, token_logp, _ = chunked.act(_obs(), noise=torch.randn(6, 3 * ACTION_DIM))
+    token = group_logprobs(token_logp, "token", ACTION_DIM)
+    action = group_logprobs(token_logp, "action", ACTION_DIM)
+    chunk = group_logprobs(token_logp, "chunk", ACTION_DIM)
+    assert token.shape == (6, 12) and action.shape == (6, 3) and chunk.shape == (6, 1)
+    torch.testing.assert_close(action[:, 1], token_logp[:, ACTION_DIM:2 * ACTION_DIM].sum(-1))
+    torch.testing.assert_close(chunk[:, 0], action.sum(-1))
+    torch.testing.assert_close(chunk[:, 0], token.sum(-1))
+    assert not torch.allclose(action[:, 0], action[:, 1])  # the actions of a chunk are scored apart
+
+
+def test_a_chunk_decodes_into_actions_in_order(chunked):
+    bins, _, _ = chunked.act(_obs(), deterministic=True)
+    actions = chunked.to_env(bins)
+    assert actions.shape == (6, 3, ACTION_DIM) and bool((actions.abs() <= 1).all())
+    second = chunked.actions.decode(chunked.actions.action_ids[bins[:, ACTION_DIM:2 * ACTION_DIM].long()])
+    assert torch.equal(actions[:, 1], second)
 
 
 def test_sampling_follows_the_noise_and_not_the_batch_split(policy):
@@ -67,14 +97,15 @@ def test_greedy_actions_are_each_tokens_mode_and_decode_into_the_box(policy):
 def test_lora_update_changes_only_adapters_and_value_head(model):
     policy = _policy(model, "policy.lora_rank=4")
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n or n.startswith("value_head") for n in trainable)
+    # the new heads train from scratch: the value head, and OFT's proprio projector
+    assert trainable and all("lora_" in n or n.startswith(("value_head", "proprio_projector")) for n in trainable)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     obs = _obs(8)
     bins, logprob, value = policy.act(obs)
     batch = {"obs": {k: v[None] for k, v in obs.items()}, "actions": bins[None], "logprobs": logprob[None],
              "values": value[None], "rewards": torch.randn(1, 8), "dones": torch.ones(1, 8, dtype=torch.bool),
              "next_value": torch.zeros(8)}
-    cfg = compose(["algorithm.update_epochs=1", "algorithm.num_minibatches=2"]).algorithm
+    cfg = compose(["algorithm.update_epochs=1", "algorithm.num_minibatches=2", "algorithm.logprob_level=token"]).algorithm
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     ppo_update(policy, optimizer, batch, cfg)
     changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
@@ -84,14 +115,17 @@ def test_lora_update_changes_only_adapters_and_value_head(model):
 
 def test_a_saved_model_directory_loads_offline_and_acts_identically(tmp_path, monkeypatch, policy):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    policy.model.save_pretrained(tmp_path)
-    policy.tokenizer.save_pretrained(tmp_path)
-    model = "openvla_tiny" if type(policy).__name__ == "OpenVLAPolicy" else "qwen_vl_tiny"
-    loaded = _policy(model, f"policy.model_path={tmp_path}", seed=1).eval()
+    policy.save_pretrained(tmp_path)
+    model = {"OpenVLAPolicy": "openvla_tiny", "OpenVLAOFTPolicy": "openvla_oft_tiny",
+             "QwenVLPolicy": "qwen_vl_tiny"}[type(policy).__name__]
+    loaded = _policy(model, f"policy.model_path={tmp_path}", "policy.chunk_size=1", seed=1).eval()
     loaded.value_head.load_state_dict(policy.value_head.state_dict())
     obs, noise = _obs(), torch.randn(6, ACTION_DIM, generator=torch.Generator().manual_seed(3))
     for a, b in zip(loaded.act(obs, noise=noise), policy.act(obs, noise=noise), strict=True):
         assert torch.equal(a, b)
+    bins = policy.act(obs, noise=noise)[0]
+    for a, b in zip(loaded.bin_distributions(obs, bins), policy.bin_distributions(obs, bins), strict=True):
+        assert torch.equal(a, b)  # every action token's (log-softmaxed) logits
 
 
 @pytest.mark.parametrize("model", MODELS)

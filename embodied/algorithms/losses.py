@@ -1,7 +1,7 @@
 """Policy-gradient losses, registered by name (``algorithm.loss``).
 
-A loss takes flat ``[N]`` tensors of one minibatch and the algorithm config and
-returns ``(loss, stats)``.
+A loss takes flat ``[N]`` tensors of one minibatch (log-probs ``[N, G]``: ``G`` ratios per
+sample, see logprob_levels.py) and the algorithm config and returns ``(loss, stats)``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: t
     """
     log_ratio = new_logprob - old_logprob
     ratio = log_ratio.exp()
+    if ratio.dim() > advantages.dim():  # several units per sample share its advantage
+        advantages = advantages.unsqueeze(-1)
     clip_high = cfg.clip_coef if cfg.clip_coef_high is None else cfg.clip_coef_high
     policy_loss = torch.max(
         -advantages * ratio,

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from embodied.algorithms.advantages import ADVANTAGES
+from embodied.algorithms.logprob_levels import group_logprobs
 from embodied.algorithms.losses import LOSSES
 
 
@@ -56,7 +57,9 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
             obs = {k: v[idx] for k, v in data["obs"].items()}
             new_logprob, entropy, new_value = policy.evaluate(obs, data["actions"][idx])
             loss, step_stats = LOSSES.get(cfg.loss)(
-                new_logprob, data["logprobs"][idx], adv, new_value, data["values"][idx],
+                group_logprobs(new_logprob, cfg.logprob_level, policy.action_dim),
+                group_logprobs(data["logprobs"][idx], cfg.logprob_level, policy.action_dim), adv, new_value,
+                data["values"][idx],
                 data["returns"][idx], entropy, cfg,
             )
             optimizer.zero_grad(set_to_none=True)

@@ -5,7 +5,8 @@ its own VecEnv. Per step and stage ``s`` the worker waits for actions under key
 ``("act", rank, s)``, steps that micro-batch and puts ``{obs, reward, terminated,
 truncated, final_obs}`` under ``("obs", rank, s)``. While it steps micro-batch ``s``
 the rollout worker is free to infer on micro-batch ``s - 1``: that is the pipeline.
-With one stage the two take turns.
+With one stage the two take turns. With ``action_chunk > 1`` each step is a chunk of that many
+simulator steps (:class:`envs.chunking.ChunkedVecEnv`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import numpy as np
 import torch
 
 from envs.base import episode_rows
+from envs.chunking import ChunkedVecEnv
 from envs.registry import make_vec_env, seed_scheme
 from scheduler.channel import Channel, InOrder
 from scheduler.worker import Worker
 
 
 class EnvWorker(Worker):
-    def __init__(self, env_cfg, num_envs: int, stages: int = 1, **kwargs):
+    def __init__(self, env_cfg, num_envs: int, stages: int = 1, action_chunk: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.env_cfg = env_cfg
         self.num_envs = num_envs
@@ -31,6 +33,8 @@ class EnvWorker(Worker):
         # env.num_procs sim processes per worker, shared out over its micro-batches (0: in-process)
         procs = max(1, env_cfg.num_procs // stages) if env_cfg.num_procs else 0
         self.envs = [make_vec_env(env_cfg, num_envs=self.stage_size, num_procs=procs) for _ in range(stages)]
+        if action_chunk > 1:
+            self.envs = [ChunkedVecEnv(env, action_chunk) for env in self.envs]
         self.obs: list[dict[str, torch.Tensor] | None] = [None] * stages
         self.trace: list[tuple[str, float, float]] = []  # (stage name, start, end), wall clock
 

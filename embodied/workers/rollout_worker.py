@@ -47,7 +47,7 @@ class RolloutWorker(Worker):
         self.env_ranks = [r for r in range(num_env_workers) if r % self.world_size == self.rank]
         self.streams = [(r, s) for r in self.env_ranks for s in range(stages)]
         self.stage_size = envs_per_worker // stages
-        self.action_shape = (envs_per_worker, action_dim)
+        self.action_shape = (envs_per_worker, self.policy.noise_dim)
         # ... and the same noise: one generator per env rank, one draw per step for its whole slice
         self.generators = {r: torch.Generator().manual_seed(seed + 7919 * (r + 1)) for r in self.env_ranks}
         self.shared: SharedWeights | None = None

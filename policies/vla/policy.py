@@ -1,12 +1,16 @@
-"""An OpenVLA policy behind the Policy protocol: action tokens sampled autoregressively, a value
-head on the last prompt token's hidden state, PPO / GRPO log-probs over action tokens.
+"""Token VLA policies behind the Policy protocol: action tokens sampled autoregressively (OpenVLA,
+Qwen-VL) or in parallel (OpenVLA-OFT), a value head on the last prompt token's hidden state,
+PPO / GRPO log-probs per action token.
 
-``act(obs)`` -> ``(bins [B, A] as float, log_prob [B], value [B])``: the policy's "actions"
-are the sampled bins (what is scored); :meth:`to_env` decodes them into the env's
-continuous actions. Observations: ``rgb`` uint8 ``[B, H, W, 3]`` and, where the env has
-one, ``instruction`` uint8 ``[B, 128]`` (else ``policy.instruction``).
+``act(obs)`` -> ``(bins [B, T] as float, token log-probs [B, T], value [B])`` with ``T =
+chunk_size * A`` tokens: ``policy.chunk_size`` actions of ``A`` dimensions, one token each. The
+policy's "actions" are the sampled bins (what is scored); :meth:`to_env` decodes them into the
+env's continuous actions, ``[B, A]`` or, for chunks, ``[B, chunk_size, A]``. The PPO update sums
+token log-probs to the level it trains at (``algorithm.logprob_level``: token, action, chunk).
+Observations: ``rgb`` uint8 ``[B, H, W, 3]``, ``state`` (proprioception, OFT) and, where the env
+has one, ``instruction`` uint8 ``[B, 128]`` (else ``policy.instruction``).
 
-Sampling uses the caller's standard-normal ``noise [B, A]``: token ``j`` is the inverse
+Sampling uses the caller's standard-normal ``noise [B, T]``: token ``j`` is the inverse
 CDF of the (temperature-scaled, action-masked) distribution at ``Phi(noise[:, j])``, so
 rollouts are as reproducible as a Gaussian policy's.
 """
@@ -47,11 +51,12 @@ class DecodeState:
 class TokenVLAPolicy(nn.Module):
     """Base of VLA policies that emit one token per action dimension.
 
-    A subclass sets ``tokenizer``, ``actions`` (:class:`ActionTokenizer`), ``action_dim``,
-    ``temperature``, ``instruction`` and ``value_head``, and implements :meth:`_run` (one
-    forward pass over the prompt, optionally followed by action tokens) and :meth:`_step`
-    (one more token with the KV cache).
+    A subclass calls :meth:`_setup_rl` (action tokens, sampling settings, value head, LoRA)
+    and implements :meth:`_run` (one forward pass over the prompt, optionally followed by
+    action tokens) and :meth:`_step` (one more token with the KV cache).
     """
+
+    chunks = True  # policy.chunk_size actions per decision
 
     def _run(self, obs: dict[str, torch.Tensor], action_ids: torch.Tensor | None = None,
              use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor, DecodeState]:
@@ -70,13 +75,16 @@ class TokenVLAPolicy(nn.Module):
         """What every VLA policy adds to its backbone: action tokens, sampling settings, a value
         head on ``hidden``-wide states and, with ``policy.lora_rank``, LoRA in ``lora_target``."""
         self.action_dim, self.actions = action_dim, actions
+        self.chunk_size = cfg.chunk_size
+        self.noise_dim = cfg.chunk_size * action_dim  # tokens per decision: T
         self.temperature, self.instruction = cfg.temperature, cfg.instruction
         self.value_head = make_value_head(hidden)
         if cfg.lora_rank:
             self._add_lora(lora_target, cfg.lora_rank)
 
     def _add_lora(self, module: nn.Module, rank: int) -> None:
-        """LoRA adapters in ``module`` (the language model); only they and the value head train."""
+        """LoRA adapters in ``module`` (the language model); only they and the new heads (value head,
+        OFT's proprio projector, added after this) train."""
         from peft import LoraConfig, inject_adapter_in_model
 
         inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS), module)
@@ -88,58 +96,72 @@ class TokenVLAPolicy(nn.Module):
         return torch.log_softmax(logits[..., self.actions.action_ids.to(logits.device)] / self.temperature, dim=-1)
 
     def _sample(self, logp: torch.Tensor, uniform: torch.Tensor | None) -> torch.Tensor:
-        """The mode (``uniform=None``) or the inverse CDF at ``uniform [B]``: bins ``[B]``."""
+        """The mode (``uniform=None``) or the inverse CDF at ``uniform [...]`` of ``logp [..., n_bins]``:
+        bins ``[...]``."""
         if uniform is None:
             return logp.argmax(-1)
-        cdf = logp.exp().cumsum(-1)
-        bins = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+        cdf = logp.exp().cumsum(-1).contiguous()
+        bins = torch.searchsorted(cdf, (uniform * cdf[..., -1]).unsqueeze(-1).contiguous()).squeeze(-1)
         return bins.clamp(max=self.actions.n_bins - 1)
+
+    def _uniform(self, batch: int, deterministic: bool, noise: torch.Tensor | None, device) -> torch.Tensor | None:
+        """``Phi(noise) [B, T]`` (fresh noise if none is given), or None for greedy decoding."""
+        if deterministic:
+            return None
+        return torch.special.ndtr((torch.randn(batch, self.noise_dim) if noise is None else noise).to(device))
 
     # -- the Policy protocol ---------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False, noise: torch.Tensor | None = None):
         logits, hidden, state = self._run(obs, use_cache=True)
         value = self.value_head(hidden[:, -1]).squeeze(-1)
-        batch = logits.shape[0]
-        uniform = None if deterministic else torch.special.ndtr(
-            (torch.randn(batch, self.action_dim) if noise is None else noise).to(logits.device))
-        bins, logprob, logits = [], 0.0, logits[:, -1]
-        for j in range(self.action_dim):
+        uniform = self._uniform(logits.shape[0], deterministic, noise, logits.device)
+        bins, logprobs, logits = [], [], logits[:, -1]
+        for j in range(self.noise_dim):
             logp = self._bin_logprobs(logits)
             b = self._sample(logp, None if uniform is None else uniform[:, j])
             bins.append(b)
-            logprob = logprob + logp.gather(-1, b[:, None]).squeeze(-1)
-            if j + 1 < self.action_dim:
+            logprobs.append(logp.gather(-1, b[:, None]).squeeze(-1))
+            if j + 1 < self.noise_dim:
                 logits, state = self._step(self.actions.action_ids.to(b.device)[b][:, None], state)
-        return torch.stack(bins, dim=1).float(), logprob, value
+        return torch.stack(bins, dim=1).float(), torch.stack(logprobs, dim=1), value
 
     def bin_distributions(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
-        """Teacher-forced log-probs of every bin at every action token ``[B, A, n_bins]``, and the value."""
+        """Teacher-forced log-probs of every bin at every action token ``[B, T, n_bins]``, and the value."""
         action_ids = self.actions.action_ids.to(actions.device)[actions.long()]
         logits, hidden, _ = self._run(obs, action_ids[:, :-1])
         # the last prompt token predicts action token 0, action token j predicts j + 1
-        value = self.value_head(hidden[:, -self.action_dim]).squeeze(-1)
-        return self._bin_logprobs(logits[:, -self.action_dim:]), value
+        value = self.value_head(hidden[:, -self.noise_dim]).squeeze(-1)
+        return self._bin_logprobs(logits[:, -self.noise_dim:]), value
 
     def token_logprobs(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
-        """``(log-probs [B, A], entropies [B, A], value [B])`` of the bins ``actions``, token by token."""
+        """``(log-probs [B, T], entropies [B, T], value [B])`` of the bins ``actions``, token by token."""
         logp, value = self.bin_distributions(obs, actions)
         token_logp = logp.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
         return token_logp, -(logp.exp() * logp).sum(-1), value
 
     def evaluate(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
-        """Action-level log-prob (the sum over its tokens), entropy and value, as PPO needs."""
+        """Token log-probs ``[B, T]`` (the update sums them to ``algorithm.logprob_level``), the
+        entropy of the whole decision ``[B]`` and the value ``[B]``."""
         token_logp, entropy, value = self.token_logprobs(obs, actions)
-        return token_logp.sum(-1), entropy.sum(-1), value
+        return token_logp, entropy.sum(-1), value
 
     @torch.no_grad()
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         _, hidden, _ = self._run(obs)
         return self.value_head(hidden[:, -1]).squeeze(-1)
 
+    def save_pretrained(self, path: str | Path) -> None:
+        """A model directory that ``policy.model_path`` loads (the model and its tokenizer)."""
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
     def to_env(self, actions: torch.Tensor) -> torch.Tensor:
-        """Sampled bins ``[B, A]`` -> continuous env actions (bin centres, un-normalised)."""
-        return self.actions.decode(self.actions.action_ids.to(actions.device)[actions.long()])
+        """Sampled bins ``[B, T]`` -> continuous env actions (bin centres, un-normalised): ``[B, A]``,
+        or ``[B, chunk_size, A]`` for action chunks."""
+        decoded = self.actions.decode(self.actions.action_ids.to(actions.device)[actions.long()].unflatten(
+            -1, (self.chunk_size, self.action_dim)))
+        return decoded if self.chunk_size > 1 else decoded[:, 0]
 
 
 def require_model_dir(path: str, hub_id: str) -> None:
