@@ -70,7 +70,7 @@ def _new_run_dir(cfg) -> Path:
 
 def cmd_train(overrides: list[str], print_cfg: bool) -> int:
     from embodied.checkpoint import load_checkpoint
-    from embodied.config import compose, to_yaml
+    from embodied.config import to_yaml
     from embodied.evaluate import record_videos, recording_seeds, write_eval
     from embodied.runner import Trainer
     from policies.registry import check_trainable
@@ -82,17 +82,21 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
         if not (run_dir / "config.yaml").exists():
             raise UserError(f"resume={resume}: no config.yaml there. Pass the run directory that "
                             "`embodied train` printed as its last line.")
-        resume_state = load_checkpoint(run_dir)
+        resume_state, warm = load_checkpoint(run_dir), None
         cfg = config_from_saved((run_dir / "config.yaml").read_text(), rest)
         cfg.runner.run_dir = str(run_dir)
     else:
-        cfg = compose(rest)
+        # a warm start (checkpoint=, e.g. an SFT run) trains the checkpoint's env and policy config
+        cfg, warm, ckpt_path = _checkpointed(rest)
+        if ckpt_path is not None:
+            cfg.checkpoint = str(ckpt_path)
+            if not any(item.startswith("runner.run_dir=") for item in rest):
+                cfg.runner.run_dir = None  # a new run, not the checkpoint's directory
         run_dir = _new_run_dir(cfg)
     check_trainable(cfg.policy.name)
     if print_cfg:
         print(to_yaml(cfg))
         return 0
-    warm = load_checkpoint(cfg.checkpoint) if cfg.checkpoint and not resume_state else None
     trainer = Trainer(cfg, run_dir, resume_from=resume_state, warm_start=warm)
     try:
         summary = trainer.train()

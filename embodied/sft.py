@@ -19,7 +19,7 @@ from embodied.config import TrainConfig, to_yaml
 from embodied.errors import UserError
 from embodied.runner import Progress
 from envs.demos import Demos, generate_demos
-from policies.registry import POLICIES, make_policy
+from policies.registry import POLICIES, check_policy_config, make_policy
 
 
 def demos_for(cfg: TrainConfig, progress: bool) -> Demos:
@@ -65,6 +65,7 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
     """Warm-start ``cfg.policy`` on demos of ``cfg.env.task``; returns the last epoch's statistics."""
     from embodied.run_logger import RunLogger
 
+    check_policy_config(cfg.policy)
     if not hasattr(POLICIES.get(cfg.policy.name), "bin_distributions"):
         raise UserError(f"embodied sft trains token policies (VLAs): policy={cfg.policy.name} has no action "
                         "tokens. Use policy=openvla_tiny or policy=qwen_vl_tiny (or a real VLA config).")

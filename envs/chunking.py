@@ -9,7 +9,8 @@ step of the wrapper and ``k`` steps of the simulator; the channel carries one me
 - ``reward``: the sum of the rewards of the chunk's steps, up to the step that ended the episode;
 - ``terminated`` / ``truncated`` / ``info["success"]`` / ``final_obs`` / ``episode`` /
   ``error``: from the step that ended env ``i``'s episode, or the chunk's last step;
-- ``obs``: after the chunk's last step.
+- ``obs``: after the chunk's last step;
+- ``info["steps"]``: the chunk's own steps' results, in order (videos show every step).
 
 An env whose episode ends inside a chunk has already been reset by the simulator, and the
 chunk's remaining actions play out at the start of its next episode: batched simulators step
@@ -42,9 +43,10 @@ class ChunkedVecEnv:
         if actions.dim() != 3 or actions.shape[1] != self.chunk_size:
             raise ValueError(f"expected actions [B, {self.chunk_size}, A], got {tuple(actions.shape)}")
         ended: torch.Tensor | None = None  # envs whose episode ended in an earlier step of this chunk
-        reward = None
+        reward, steps = None, []
         for j in range(self.chunk_size):
             result = self.env.step(actions[:, j])
+            steps.append(result)
             if ended is None:
                 reward, merged, ended = result.reward.clone(), result, result.done.clone()
                 continue
@@ -54,6 +56,7 @@ class ChunkedVecEnv:
             ended |= result.done
         merged.obs = result.obs
         merged.reward = reward
+        merged.info["steps"] = steps
         return merged
 
     def set_ignore_terminations(self, flag: bool) -> None:

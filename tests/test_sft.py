@@ -1,17 +1,22 @@
-"""Motion-planner demos in our control mode, and SFT of a tiny VLA on them (real ManiSkill, CPU)."""
+"""Motion-planner demos in our control mode, SFT of a tiny VLA on them, and RL from its checkpoint
+(real ManiSkill, CPU). The VLA is OpenVLA-OFT decoding chunks of 4 actions with proprioception."""
 
+import json
+
+import imageio.v2 as imageio
 import pytest
 import torch
 
 from embodied.checkpoint import load_checkpoint
 from embodied.config import compose
-from embodied.sft import demos_for, train_sft
+from embodied.sft import chunk_targets, demos_for, train_sft
 from envs.base import decode_instruction
 from envs.registry import make_vec_env
 from policies.registry import make_policy
+from tests.conftest import run_cli
 
 OVERRIDES = ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.max_episode_steps=100",
-             "policy=openvla_tiny", "sft.demos=2", "sft.epochs=6", "sft.batch_size=32", "sft.lr=1e-3",
+             "policy=openvla_oft_tiny", "sft.demos=2", "sft.epochs=6", "sft.batch_size=32", "sft.lr=1e-3",
              "runner.progress=false"]
 
 
@@ -43,8 +48,14 @@ def test_demos_replay_to_success_in_our_control_mode(cfg, demos):
         env.close()
 
 
-def test_sft_fits_the_demos_and_saves_a_loadable_checkpoint(cfg, demos, tmp_path):
-    stats = train_sft(cfg, tmp_path)
+@pytest.fixture(scope="module")
+def sft_run(cfg, demos, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("sft")
+    return run_dir, train_sft(cfg, run_dir)
+
+
+def test_sft_fits_the_demos_and_saves_a_loadable_checkpoint(cfg, demos, sft_run):
+    tmp_path, stats = sft_run
     assert stats["demos"] == 2 and stats["steps"] == len(demos)
     state = load_checkpoint(tmp_path)
     policy = make_policy(cfg.policy, state["obs_spec"], state["action_dim"])
@@ -54,8 +65,25 @@ def test_sft_fits_the_demos_and_saves_a_loadable_checkpoint(cfg, demos, tmp_path
     assert stats["sft/token_accuracy"] > 1 / 256 * 5
 
 
+def test_rl_from_the_sft_checkpoint_runs_chunks_and_trains_per_token(sft_run, tmp_path):
+    """``train checkpoint=<sft run>`` (its env and policy): chunked rollouts (2 decisions of 4 steps), a PPO update with
+    one ratio per token, the final eval and its video with a frame per simulator step."""
+    sft_dir, _ = sft_run
+    run_dir = tmp_path / "rl"
+    proc = run_cli("train", f"checkpoint={sft_dir}", "env.num_envs=2", "env.max_episode_steps=8",
+                   "algorithm.rollout_steps=2", "algorithm.num_minibatches=1", "algorithm.logprob_level=token",
+                   "runner.total_env_steps=16", "eval.episodes=2", "eval.video_episodes=1", "runner.progress=false",
+                   f"runner.run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((run_dir / "eval.json").read_text())
+    assert result["episodes"] == 2 and [r["length"] for r in result["rows"]] == [8, 8]
+    assert result["training"]["env_steps"] == 16
+    (video,) = (run_dir / "videos").glob("*.mp4")
+    assert len(imageio.mimread(video)) == 8  # a frame per simulator step, not per chunk
+
+
 def _demo_logp(policy, demos) -> float:
     with torch.no_grad():
-        bins = policy.actions.bins(demos.actions[:64])
+        bins = policy.actions.bins(chunk_targets(demos.actions, demos.episode, policy.chunk_size)[:64]).flatten(1)
         token_logp, _, _ = policy.token_logprobs({k: v[:64] for k, v in demos.obs.items()}, bins.float())
     return float(token_logp.mean())

@@ -105,7 +105,9 @@ class EnvWorker(Worker):
         def on_step(stage: int, result) -> None:
             for i, frames in recorders.items():
                 if i // self.stage_size == stage:
-                    frames.add(self._frame(i, result.obs, result), result, i % self.stage_size)
+                    for step in result.info.get("steps", [result]):  # an action chunk: each of its steps
+                        if not frames.ended:
+                            frames.add(self._frame(i, step.obs, step), step, i % self.stage_size)
 
         rows = self.interact(self.envs[0].max_episode_steps, channel, on_step if recorders else None)["episodes"]
         for row in rows:
@@ -137,8 +139,10 @@ class _EpisodeFrames:
 
     def __init__(self, first: np.ndarray):
         self.frames, self.rewards, self.successes = [first], [None], [False]
+        self.ended = False  # the episode is over: what follows (the rest of a chunk) is the next one
 
     def add(self, frame: np.ndarray, result, local: int) -> None:
+        self.ended = bool(result.done[local])
         self.frames.append(frame)
         self.rewards.append(float(result.reward[local]))
         self.successes.append(bool(result.info["success"][local]))
