@@ -145,6 +145,9 @@ class GaussianActorCritic(nn.Module):
             actions = mean + std * (torch.randn_like(mean) if noise is None else noise.to(mean.device))
         return actions, Normal(mean, std).log_prob(actions).sum(-1), value
 
+    def weights_updated(self) -> None:
+        """Called by the rollout worker after a weight sync (nothing to do here)."""
+
     def to_env(self, actions: torch.Tensor) -> torch.Tensor:
         """The env's action for a sample: clipped to the [-1, 1] box (the unclipped one is scored)."""
         return actions.clamp(-1.0, 1.0)

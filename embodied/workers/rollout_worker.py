@@ -56,19 +56,24 @@ class RolloutWorker(Worker):
     # -- weights and context switching ------------------------------------------------
     def set_weights(self, state_dict: dict) -> None:
         self.policy.load_state_dict(state_dict)
+        self.policy.weights_updated()
 
     def attach_shared_weights(self, layout: SharedLayout) -> None:
         self.shared = SharedWeights(layout)
 
     def use_shared_weights(self) -> int:
         """Sync from the actor's shared buffer; returns bytes copied (0 on CPU: in place)."""
-        return use_views_as_parameters(self.policy, self.shared.views)
+        copied = use_views_as_parameters(self.policy, self.shared.views)
+        self.policy.weights_updated()
+        return copied
 
     def join_broadcast_group(self, address: str, world_size: int) -> None:
         join_broadcast_group(address, rank=1 + self.rank, world_size=world_size, device=self.device)
 
     def receive_broadcast(self) -> int:
-        return broadcast_module(self.policy, src=0)
+        received = broadcast_module(self.policy, src=0)
+        self.policy.weights_updated()
+        return received
 
     # -- inference ----------------------------------------------------------------------
     def _obs(self, obs: dict) -> dict:

@@ -28,6 +28,7 @@ from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.openvla import PROMPT, OpenVLAForActionPrediction, tiny_config
 from policies.vla.processor import byte_tokenizer, pixel_values, tokenize_prompts
 
+GENERATION_BACKENDS = ["hf", "vllm"]  # hf: this module's KV-cached decoding; vllm: vllm_backend.py
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -78,6 +79,12 @@ class TokenVLAPolicy(nn.Module):
         self.chunk_size = cfg.chunk_size
         self.noise_dim = cfg.chunk_size * action_dim  # tokens per decision: T
         self.temperature, self.instruction = cfg.temperature, cfg.instruction
+        self.model_path = cfg.model_path
+        self.backend, self.generator = cfg.backend, None  # generator: the vLLM engine, once built
+        if cfg.backend not in GENERATION_BACKENDS:
+            from embodied.errors import unknown_name_error
+
+            raise unknown_name_error("generation backend (policy.backend)", cfg.backend, GENERATION_BACKENDS)
         self.value_head = make_value_head(hidden)
         if cfg.lora_rank:
             self._add_lora(lora_target, cfg.lora_rank)
@@ -113,6 +120,8 @@ class TokenVLAPolicy(nn.Module):
     # -- the Policy protocol ---------------------------------------------------------------
     @torch.no_grad()
     def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False, noise: torch.Tensor | None = None):
+        if self.backend == "vllm":
+            return self._act_vllm(obs, deterministic)
         logits, hidden, state = self._run(obs, use_cache=True)
         value = self.value_head(hidden[:, -1]).squeeze(-1)
         uniform = self._uniform(logits.shape[0], deterministic, noise, logits.device)
@@ -125,6 +134,21 @@ class TokenVLAPolicy(nn.Module):
             if j + 1 < self.noise_dim:
                 logits, state = self._step(self.actions.action_ids.to(b.device)[b][:, None], state)
         return torch.stack(bins, dim=1).float(), torch.stack(logprobs, dim=1), value
+
+    def _act_vllm(self, obs: dict[str, torch.Tensor], deterministic: bool):
+        """vLLM samples the tokens; this model scores them (see policies/vla/vllm_backend.py)."""
+        if self.generator is None:  # built at the first rollout, in the rollout worker only
+            from policies.vla.vllm_backend import VLLMGenerator
+
+            self.generator = VLLMGenerator(self)
+        bins = self.generator.generate(obs, deterministic).to(self.value_head[0].weight.device).float()
+        token_logp, _, value = self.token_logprobs(obs, bins)
+        return bins, token_logp, value
+
+    def weights_updated(self) -> None:
+        """Called after a weight sync: a vLLM engine reloads before its next rollout."""
+        if self.generator is not None:
+            self.generator.stale = True
 
     def bin_distributions(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
         """Teacher-forced log-probs of every bin at every action token ``[B, T, n_bins]``, and the value."""

@@ -83,12 +83,17 @@ class QwenVLPolicy(TokenVLAPolicy):
         self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size,
                        self.model.model.language_model)
         # images are resized to multiples of 28 px within these pixel counts (64 -> 56 px: 4 image tokens)
+        self.image_size = cfg.image_size
         self.images = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": cfg.image_size ** 2})
 
     def _qwen_prompts(self, obs, image_tokens: int) -> list[str]:
         start, pad, end = VISION_TOKENS
         return [start + pad * image_tokens + end + QWEN_PROMPT.format(instruction=text)
                 for text in instructions_of(obs, self.instruction)]
+
+    def vllm_prompts(self, obs) -> list[str]:
+        """The prompts for vLLM, which expands the one image pad into the image's tokens itself."""
+        return self._qwen_prompts(obs, image_tokens=1)
 
     def _run(self, obs, action_ids=None, use_cache=False):
         device = self.value_head[0].weight.device
