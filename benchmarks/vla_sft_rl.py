@@ -8,7 +8,7 @@ Three commands a user would type, run in order (``embodied sft``, ``embodied tra
 checkpoint=<sft run>``), each evaluated by the standard protocol on the same fixed seeds
 (``eval.seed`` + k, ``--eval-episodes`` episodes, greedy):
 
-1. ``embodied sft``: record (or reuse) ``--demos`` motion-planner demos, ``--sft-epochs`` of
+1. ``embodied sft``: record ``--demos`` motion-planner demos (into ``--out``, not the cache), ``--sft-epochs`` of
    cross-entropy on the action tokens, evaluate: the *before* row;
 2. ``embodied train checkpoint=<sft run>``: PPO from the SFT weights for ``--rl-minutes`` of
    training, evaluate: the *after* row, plus a video.
@@ -88,8 +88,9 @@ def main() -> None:
     sft_dir, rl_dir = out / "sft", out / "rl"
     common = [*ENV, f"policy={args.policy}", f"eval.episodes={args.eval_episodes}"]
     started = time.perf_counter()
+    # demos are recorded afresh into the output directory: their time counts
     sft_s = run(["sft", *common, f"sft.demos={args.demos}", f"sft.epochs={args.sft_epochs}",
-                 "runner.progress=false", f"runner.run_dir={sft_dir}"])
+                 f"sft.demos_dir={out / 'demos'}", "runner.progress=false", f"runner.run_dir={sft_dir}"])
     rl_s = run(["train", f"checkpoint={sft_dir}", *RL, f"eval.episodes={args.eval_episodes}",
                 f"runner.max_minutes={args.rl_minutes}", f"runner.run_dir={rl_dir}", *args.overrides])
     total_s = time.perf_counter() - started
