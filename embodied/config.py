@@ -54,6 +54,7 @@ class PolicyConfig:
     instruction: str = ""  # the language instruction where the env gives none (ManiSkill tasks)
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen
     chunk_size: int = 1  # VLAs: actions per decision (an action chunk, executed open loop by the env worker)
+    unnorm_key: str | None = None  # OpenVLA checkpoints: whose norm_stats un-normalise actions (optional if one)
     backend: str = "hf"  # VLA rollout generation: hf (transformers, KV cache) or vllm (GPU, Qwen-VL only)
     proprio: bool = False  # openvla_oft: feed the env's `state` (proprioception) as one more input token
 

@@ -137,3 +137,37 @@ def test_policy_needs_images(model):
         make_policy(cfg, {"state": ((9,), torch.float32)}, ACTION_DIM)
 
 
+
+
+def test_a_checkpoints_norm_stats_unnormalise_its_actions(tmp_path, monkeypatch):
+    """Real OpenVLA checkpoints carry per-dataset q01/q99 (config.json ``norm_stats``)."""
+    from embodied.errors import UserError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    policy = _policy("openvla_tiny")
+    stats = {"q01": [-0.5, 0.0, 0.0, 0.0], "q99": [0.5, 2.0, 2.0, 2.0], "mask": [True, True, True, False]}
+    policy.model.config.norm_stats = {"bridge_orig": {"action": stats}}
+    policy.save_pretrained(tmp_path)
+    loaded = _policy("openvla_tiny", f"policy.model_path={tmp_path}")
+    actions = loaded.to_env(torch.tensor([[0.0, 255.0, 128.0, 0.0], [255.0, 0.0, 0.0, 255.0]]))
+    assert -0.5 <= float(actions[:, 0].min()) < -0.49 and 0.49 < float(actions[:, 0].max()) <= 0.5
+    assert 1.99 < float(actions[0, 1]) <= 2.0 and 0.99 < float(actions[0, 2]) < 1.01  # bin 128: mid-range
+    assert -1.0 <= float(actions[0, 3]) < -0.99  # the unmasked dimension stays in [-1, 1]
+    policy.model.config.norm_stats["fractal"] = {"action": stats}
+    policy.save_pretrained(tmp_path)
+    with pytest.raises(UserError, match=r"policy.unnorm_key=None: .*\['bridge_orig', 'fractal'\]"):
+        _policy("openvla_tiny", f"policy.model_path={tmp_path}")
+    assert _policy("openvla_tiny", f"policy.model_path={tmp_path}", "policy.unnorm_key=fractal").action_dim == 4
+
+
+def test_openvla_prompts_end_with_the_empty_piece_its_training_saw():
+    """OpenVLA's Llama tokenizer ends "Out: " on the lone word-boundary piece (29871); the tiny byte
+    tokenizer has none. Appended once, where missing, with its mask."""
+    policy = _policy("openvla_tiny")
+    assert policy.empty_piece is None
+    plain, plain_mask = policy._prompt_ids(_obs(2))
+    policy.empty_piece = 7
+    ids, mask = policy._prompt_ids(_obs(2))
+    assert torch.equal(ids[:, :-1], plain) and ids[:, -1].tolist() == [7, 7] and mask[:, -1].tolist() == [1, 1]
+    policy.empty_piece = int(plain[0, -1])  # the prompt already ends with it: nothing appended
+    assert torch.equal(policy._prompt_ids(_obs(2))[0], plain)

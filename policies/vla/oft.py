@@ -23,7 +23,7 @@ from torch import nn
 
 from policies.registry import POLICIES
 from policies.vla.policy import OpenVLAPolicy
-from policies.vla.processor import pixel_values, tokenize_prompts
+from policies.vla.processor import pixel_values
 
 PROPRIO_FILE = "proprio_projector.pt"  # next to a model directory's config.json, with policy.proprio
 
@@ -60,9 +60,8 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
 
     def _parallel(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward pass -> ``(bin log-probs [B, T, n_bins], value [B])``."""
-        device = self.value_head[0].weight.device
-        ids, mask = tokenize_prompts(self.tokenizer, self._prompts(obs))
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = self._prompt_ids(obs)
+        device = ids.device
         batch, tokens = ids.shape[0], self.noise_dim
         embeds, mask = self.model.multimodal_embeddings(ids, pixel_values(obs["rgb"].to(device), self.image_size),
                                                         mask)

@@ -17,6 +17,7 @@ rollouts are as reproducible as a Gaussian policy's.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,6 +210,32 @@ def make_value_head(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
+EMPTY_PIECE = "\u2581"  # SentencePiece's word boundary on its own: id 29871 in Llama-2's vocabulary
+
+
+def checkpoint_action_stats(model_dir: str, config, unnorm_key: str | None, action_dim: int) -> ActionStats:
+    """The q01 / q99 action statistics a real OpenVLA checkpoint was trained with: ``norm_stats``
+    in its config.json (a ``dataset_statistics.json`` beside it wins, as in OpenVLA), for the
+    dataset ``policy.unnorm_key`` (optional when there is one). None there: actions in [-1, 1]."""
+    from embodied.errors import UserError
+
+    path = Path(model_dir) / "dataset_statistics.json"
+    stats = json.loads(path.read_text()) if path.exists() else getattr(config, "norm_stats", None)
+    if not stats:
+        return ActionStats.identity(action_dim)
+    if unnorm_key is None and len(stats) == 1:
+        unnorm_key = next(iter(stats))
+    if unnorm_key not in stats:
+        raise UserError(f"policy.unnorm_key={unnorm_key}: {model_dir} has action statistics for {sorted(stats)}. "
+                        "Set policy.unnorm_key to the dataset whose actions the env takes.")
+    action = stats[unnorm_key]["action"]
+    if len(action["q01"]) != action_dim:
+        raise UserError(f"policy.unnorm_key={unnorm_key} has {len(action['q01'])}-dim actions; the env's are "
+                        f"{action_dim}-dim. Pick the statistics of a dataset with this env's action space.")
+    mask = action.get("mask", [True] * action_dim)
+    return ActionStats(torch.tensor(action["q01"]), torch.tensor(action["q99"]), torch.tensor(mask, dtype=torch.bool))
+
+
 @POLICIES.register("openvla")
 class OpenVLAPolicy(TokenVLAPolicy):
     """OpenVLA: action bins are the last 256 ids of the vocabulary."""
@@ -226,13 +253,26 @@ class OpenVLAPolicy(TokenVLAPolicy):
             self.tokenizer = byte_tokenizer()
             self.model = OpenVLAForActionPrediction(tiny_config(len(self.tokenizer), cfg.image_size))
         self.image_size = self.model.config.image_sizes[0]
-        self._setup_rl(cfg, action_dim, ActionTokenizer(ActionStats.identity(action_dim), vocab_size=len(self.tokenizer)),
+        stats = (checkpoint_action_stats(cfg.model_path, self.model.config, cfg.unnorm_key, action_dim)
+                 if cfg.model_path else ActionStats.identity(action_dim))
+        self._setup_rl(cfg, action_dim, ActionTokenizer(stats, vocab_size=len(self.tokenizer)),
                        self.model.config.text_config.hidden_size, self.model.language_model)
+        self.empty_piece = self.tokenizer.get_vocab().get(EMPTY_PIECE)
+
+    def _prompt_ids(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt ids and mask ``[B, L]`` (left-padded). OpenVLA was trained on "Out: " then the
+        lone "\u2581" piece (29871) before the action tokens; like its ``predict_action``, append
+        that piece where the tokenizer has it and the prompt does not end with it."""
+        ids, mask = tokenize_prompts(self.tokenizer, self._prompts(obs))
+        if self.empty_piece is not None and bool((ids[:, -1] != self.empty_piece).any()):
+            ids = torch.cat([ids, torch.full_like(ids[:, :1], self.empty_piece)], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        device = self.value_head[0].weight.device
+        return ids.to(device), mask.to(device)
 
     def _run(self, obs, action_ids=None, use_cache=False):
-        ids, mask = tokenize_prompts(self.tokenizer, self._prompts(obs))
-        device = self.value_head[0].weight.device
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = self._prompt_ids(obs)
+        device = ids.device
         if action_ids is not None:
             ids = torch.cat([ids, action_ids], dim=1)
             mask = torch.cat([mask, torch.ones_like(action_ids)], dim=1)
