@@ -1,0 +1,167 @@
+"""Predicted iteration time and per-device memory of an execution plan (pure functions).
+
+A :class:`Profile` holds a fitted cost curve per stage, measured on one device (a GPU, or
+a CPU slot): ``seconds(n) = fixed_s + per_item_s * n`` for ``n`` envs stepped, observations
+inferred or samples trained, and the same shape for memory. A :class:`Candidate` says which
+devices each worker group gets and how many micro-batches (pipeline stages) an env
+worker's slice is cut into. :func:`predict` combines them as the runner executes:
+
+- generation, ``S = 1`` (env and rollout take turns): per step, the env workers step their
+  slices in parallel, then the rollout workers infer theirs, plus one channel round trip:
+  ``T * (env(N / De) + rollouts_per_device * infer(N / Dr) + hop)``;
+- generation, ``S > 1`` (pipelined): per step each env worker steps ``S`` micro-batches of
+  ``m = N / (De * S)`` envs while the rollout workers infer on the others; the slower side
+  sets the pace, and one micro-batch of each fills and drains the pipe:
+  ``T * max(S * env(m), (De * S / Dr) * infer(m)) + env(m) + infer(m) + T * hop``;
+- training: the PPO update over ``N * T`` samples on the actor's device;
+- switches: where the actor shares a device with env or rollout workers and ``offload``
+  is on, one offload and one onload per iteration; plus one weight sync.
+
+Memory per device is the sum of the groups resident on it; with offload a device holds
+the larger of its generation phase (env + rollout) and its training phase (actor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("colocated", "disaggregated", "hybrid")
+
+
+@dataclass(frozen=True)
+class Curve:
+    """``fixed + per_item * n``: seconds (or MiB) for ``n`` items on one device."""
+
+    fixed: float
+    per_item: float
+
+    def __call__(self, n: float) -> float:
+        return self.fixed + self.per_item * n
+
+    @classmethod
+    def fit(cls, items: list[float], values: list[float]) -> Curve:
+        """Least-squares line through ``(items, values)``, clamped to non-negative terms."""
+        if len(items) == 1 or len(set(items)) == 1:
+            return cls(0.0, max(values[0], 0.0) / max(items[0], 1e-12))
+        n = len(items)
+        mean_x, mean_y = sum(items) / n, sum(values) / n
+        var = sum((x - mean_x) ** 2 for x in items)
+        slope = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(items, values, strict=True)) / var, 0.0)
+        return cls(max(mean_y - slope * mean_x, 0.0), slope)
+
+    def slower(self, factor: float) -> Curve:
+        return Curve(self.fixed * factor, self.per_item * factor)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Stage costs on one device. Times in seconds, memory in MiB."""
+
+    env_step: Curve  # one step of n envs
+    infer: Curve  # one policy act on n observations
+    train: Curve  # one PPO update (all epochs) over n samples
+    hop_s: float = 0.0  # one env <-> rollout channel round trip per step
+    weight_sync_s: float = 0.0
+    offload_s: float = 0.0  # the actor's offload + onload, once each
+    env_memory: Curve = Curve(0.0, 0.0)  # n envs
+    rollout_memory: Curve = Curve(0.0, 0.0)  # a policy copy inferring on n observations
+    actor_memory: Curve = Curve(0.0, 0.0)  # weights, gradients and optimizer state training on n samples
+    device_memory: float = float("inf")  # what one device holds
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_envs: int  # N
+    steps: int  # T: decisions per env per iteration
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan: device counts per group, micro-batches per env worker, offload. Devices are
+    numbered env first, then rollout, then actor (shared groups reuse the first ones)."""
+
+    mode: str
+    env_devices: int
+    rollout_devices: int
+    actor_devices: int
+    stages: int = 1
+    offload: bool = False
+
+    def name(self) -> str:
+        return (f"{self.mode} env={self.env_devices} rollout={self.rollout_devices} actor={self.actor_devices} "
+                f"stages={self.stages}{' offload' if self.offload else ''}")
+
+    def device_sets(self) -> dict[str, range]:
+        """Which device indices each group uses."""
+        e, r, a = self.env_devices, self.rollout_devices, self.actor_devices
+        if self.mode == "colocated":
+            return {"env": range(e), "rollout": range(r), "actor": range(a)}
+        if self.mode == "hybrid":
+            return {"env": range(e), "rollout": range(e, e + r), "actor": range(a)}
+        return {"env": range(e), "rollout": range(e, e + r), "actor": range(e + r, e + r + a)}
+
+    def total_devices(self) -> int:
+        return max(max(s, default=-1) for s in self.device_sets().values()) + 1
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    generate_s: float
+    train_s: float
+    switch_s: float
+    memory: dict[int, float] = field(default_factory=dict)  # device -> peak MiB
+    infeasible: str = ""  # why the plan cannot run ("" when it can)
+
+    @property
+    def iteration_s(self) -> float:
+        return self.generate_s + self.train_s + self.switch_s
+
+    @property
+    def feasible(self) -> bool:
+        return not self.infeasible
+
+
+def generate_seconds(c: Candidate, p: Profile, w: Workload) -> float:
+    """Time of one iteration's rollout: ``w.steps`` steps of every env (see the module doc)."""
+    if c.stages == 1:
+        per_step = p.env_step(w.num_envs / c.env_devices) + p.infer(w.num_envs / c.rollout_devices) + p.hop_s
+        return w.steps * per_step
+    micro = w.num_envs / (c.env_devices * c.stages)
+    inferences_per_rollout = c.env_devices * c.stages / c.rollout_devices
+    pace = max(c.stages * p.env_step(micro), inferences_per_rollout * p.infer(micro))
+    return w.steps * (pace + p.hop_s) + p.env_step(micro) + p.infer(micro)
+
+
+def shares_actor(c: Candidate) -> bool:
+    sets = c.device_sets()
+    return bool(set(sets["actor"]) & (set(sets["env"]) | set(sets["rollout"])))
+
+
+def device_memory(c: Candidate, p: Profile, w: Workload) -> dict[int, float]:
+    """Peak MiB per device: generation-phase groups and the actor, summed or (offload) alternating."""
+    sets = c.device_sets()
+    generation: dict[int, float] = {}
+    for d in sets["env"]:
+        generation[d] = generation.get(d, 0.0) + p.env_memory(w.num_envs / c.env_devices)
+    for d in sets["rollout"]:
+        generation[d] = generation.get(d, 0.0) + p.rollout_memory(w.num_envs / c.rollout_devices)
+    peak = dict(generation)
+    actor = p.actor_memory(w.num_envs * w.steps)
+    for d in sets["actor"]:
+        peak[d] = max(generation.get(d, 0.0), actor) if c.offload else generation.get(d, 0.0) + actor
+    return peak
+
+
+def predict(c: Candidate, p: Profile, w: Workload) -> Prediction:
+    """Predicted iteration time and memory of plan ``c`` for workload ``w`` under profile ``p``."""
+    switch = p.weight_sync_s + (p.offload_s if c.offload and shares_actor(c) else 0.0)
+    out = Prediction(c, generate_seconds(c, p, w), p.train(w.num_envs * w.steps), switch,
+                     device_memory(c, p, w))
+    full = [d for d, mib in out.memory.items() if mib > p.device_memory]
+    if full:
+        out.infeasible = (f"needs {max(out.memory.values()):.0f} MiB on device {full[0]}, "
+                          f"which holds {p.device_memory:.0f}")
+    elif w.num_envs % (c.env_devices * c.stages):
+        out.infeasible = f"{w.num_envs} envs do not split into {c.env_devices} x {c.stages} micro-batches"
+    return out

@@ -1,0 +1,61 @@
+"""Search over execution plans with the cost model: the fastest feasible one, and the table.
+
+Candidates for ``D`` devices (see :class:`scheduler.cost_model.Candidate`):
+
+- ``colocated``: every group on all ``D`` devices, taking turns (one stage), with and
+  without offloading the actor between phases;
+- ``hybrid``: env workers on ``De`` devices, rollout workers on the other ``D - De``, the
+  actor on all ``D`` (time-sharing, with and without offload), ``S`` micro-batches;
+- ``disaggregated``: env, rollout and actor each on devices of their own, ``S`` micro-batches.
+
+``S`` ranges over ``stages`` (powers of two by default). The best plan is the feasible one
+with the smallest predicted iteration time; ties go to the simpler plan (fewer stages,
+no offload), in the order candidates are listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.cost_model import Candidate, Prediction, Profile, Workload, predict
+
+DEFAULT_STAGES = (1, 2, 4, 8)
+
+
+def candidates(devices: int, stages: tuple[int, ...] = DEFAULT_STAGES) -> list[Candidate]:
+    """Every plan on ``devices`` devices, simplest first."""
+    out = [Candidate("colocated", devices, devices, devices, 1, offload) for offload in (False, True)]
+    for s in stages:
+        for env in range(1, devices):
+            out += [Candidate("hybrid", env, devices - env, devices, s, offload) for offload in (False, True)]
+        for env in range(1, devices - 1):
+            for rollout in range(1, devices - env):
+                out.append(Candidate("disaggregated", env, rollout, devices - env - rollout, s))
+    return out
+
+
+@dataclass
+class PlanChoice:
+    best: Prediction | None  # None: no plan fits
+    table: list[Prediction]  # every candidate, fastest feasible first, infeasible last
+
+    def markdown(self, limit: int | None = None) -> str:
+        rows = ["| plan | predicted iteration (s) | generate (s) | train (s) | switch (s) | peak MiB | note |",
+                "|---|---:|---:|---:|---:|---:|---|"]
+        for pred in self.table[:limit]:
+            mark = "**best**" if pred is self.best else pred.infeasible
+            rows.append(f"| {pred.candidate.name()} | {pred.iteration_s:.3f} | {pred.generate_s:.3f} | "
+                        f"{pred.train_s:.3f} | {pred.switch_s:.3f} | {max(pred.memory.values(), default=0):.0f} | "
+                        f"{mark} |")
+        return "\n".join(rows)
+
+
+def plan(profile: Profile, workload: Workload, devices: int,
+         stages: tuple[int, ...] = DEFAULT_STAGES) -> PlanChoice:
+    """The fastest feasible plan on ``devices`` devices, with the table of all candidates."""
+    predictions = [predict(c, profile, workload) for c in candidates(devices, stages)]
+    order = sorted(range(len(predictions)),
+                   key=lambda i: (not predictions[i].feasible, predictions[i].iteration_s, i))
+    table = [predictions[i] for i in order]
+    best = table[0] if table and table[0].feasible else None
+    return PlanChoice(best, table)

@@ -1,0 +1,87 @@
+"""Cost model and planner on synthetic profiles: known optima, memory limits, monotonicity."""
+
+import pytest
+
+from scheduler.cost_model import Candidate, Curve, Profile, Workload, generate_seconds, predict
+from scheduler.planner import candidates, plan
+
+WORK = Workload(num_envs=64, steps=50)
+
+
+def _profile(**changes) -> Profile:
+    base = dict(env_step=Curve(0.002, 0.001), infer=Curve(0.004, 0.0005), train=Curve(0.5, 0.0001),
+                hop_s=0.001, weight_sync_s=0.05, offload_s=0.2, env_memory=Curve(500, 10),
+                rollout_memory=Curve(2000, 5), actor_memory=Curve(6000, 0.1), device_memory=80_000)
+    return Profile(**{**base, **changes})
+
+
+def test_cost_curves_fit_lines_and_clamp_at_zero():
+    curve = Curve.fit([1, 2, 4, 8], [1.5, 2.0, 3.0, 5.0])
+    assert curve.fixed == pytest.approx(1.0) and curve.per_item == pytest.approx(0.5)
+    assert Curve.fit([1, 2], [2.0, 1.0]).per_item == 0.0  # noise never makes a stage cheaper with size
+    assert Curve.fit([4], [2.0])(8) == pytest.approx(4.0)
+
+
+def test_generation_time_matches_a_hand_computation():
+    p, w = _profile(hop_s=0.0), Workload(num_envs=8, steps=10)
+    serial = Candidate("colocated", 1, 1, 1)
+    assert generate_seconds(serial, p, w) == pytest.approx(10 * (0.002 + 0.008 + 0.004 + 0.004))
+    piped = Candidate("hybrid", 1, 1, 2, stages=2)  # 2 micro-batches of 4: env 0.006 each, infer 0.006 each
+    assert generate_seconds(piped, p, w) == pytest.approx(10 * max(2 * 0.006, 2 * 0.006) + 0.006 + 0.006)
+
+
+def test_linear_stages_without_switch_costs_favour_colocation():
+    """Every stage scales with the devices it gets and switching is free: colocated uses all
+    devices for every stage and has no pipeline fill, so it wins."""
+    p = _profile(env_step=Curve(0.0, 0.001), infer=Curve(0.0, 0.001), hop_s=0.0, offload_s=0.0)
+    choice = plan(p, WORK, devices=4)
+    assert choice.best.candidate == Candidate("colocated", 4, 4, 4, 1, False)
+
+
+def test_memory_that_only_fits_split_forces_a_split_plan():
+    """Env and actor do not fit on one device together and offloading is slow: with 3 devices
+    the groups get devices of their own, pipelined."""
+    p = _profile(env_memory=Curve(40_000, 0), actor_memory=Curve(50_000, 0), offload_s=30.0)
+    choice = plan(p, WORK, devices=3)
+    assert choice.best.candidate.mode == "disaggregated" and choice.best.candidate.stages > 1
+    no_offload = predict(Candidate("colocated", 3, 3, 3, 1, False), p, WORK)
+    assert not no_offload.feasible and "MiB" in no_offload.infeasible
+    assert not choice.table[-1].feasible  # infeasible plans are listed last, never chosen
+
+
+def test_a_pipeline_beats_turn_taking_on_the_same_split():
+    """Simulator and policy on devices of their own: micro-batches overlap the two, so the
+    iteration costs about the slower stage, not their sum."""
+    p = _profile(env_step=Curve(0.0, 0.002), infer=Curve(0.0, 0.002), hop_s=0.0)
+    turns = predict(Candidate("disaggregated", 1, 1, 1, 1), p, WORK)
+    piped = predict(Candidate("disaggregated", 1, 1, 1, 4), p, WORK)
+    assert piped.generate_s < 0.6 * turns.generate_s
+    best_split = min((x for x in plan(p, WORK, devices=3).table if x.candidate.mode == "disaggregated"),
+                     key=lambda x: x.iteration_s)
+    assert best_split.candidate.stages > 1
+
+
+def test_no_plan_when_nothing_fits():
+    choice = plan(_profile(device_memory=100.0), WORK, devices=2)
+    assert choice.best is None and all(not x.feasible for x in choice.table)
+
+
+@pytest.mark.parametrize("stage", ["env_step", "infer", "train"])
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_a_slower_stage_never_makes_a_plan_or_the_best_plan_faster(stage, devices):
+    times = []
+    for factor in (1.0, 1.5, 2.0, 4.0):
+        p = _profile(**{stage: getattr(_profile(), stage).slower(factor)})
+        preds = {c: predict(c, p, WORK).iteration_s for c in candidates(devices)}
+        times.append((plan(p, WORK, devices).best.iteration_s, preds))
+    for (best_a, preds_a), (best_b, preds_b) in zip(times, times[1:], strict=False):
+        assert best_b >= best_a
+        assert all(preds_b[c] >= preds_a[c] for c in preds_a)
+
+
+def test_candidates_cover_every_split_once():
+    plans = candidates(4, stages=(1, 2))
+    assert len(plans) == len(set(plans))
+    assert all(c.total_devices() <= 4 for c in plans)
+    assert {c.mode for c in plans} == {"colocated", "hybrid", "disaggregated"}
+    assert Candidate("disaggregated", 2, 1, 1, 2) in plans and Candidate("hybrid", 3, 1, 4, 2, True) in plans
