@@ -100,7 +100,10 @@ class AlgorithmConfig:
 class PlacementConfig:
     """Which devices each worker group uses, and how groups share them (scheduler/placement.py)."""
 
-    mode: str = "colocated"  # "colocated" | "disaggregated" | "hybrid" (see scheduler/placement.py)
+    # "colocated" | "disaggregated" | "hybrid" (see scheduler/placement.py), or "auto": profile the
+    # stages, plan with the cost model and run the fastest plan (scheduler/auto.py)
+    mode: str = "colocated"
+    profile_dir: str = "runs/profiles"  # mode auto: where measured profiles are cached
     env_workers: int = 2  # Ray actors that step simulators
     rollout_workers: int = 1  # Ray actors that run policy inference
     actor_workers: int = 1  # Ray actors that train

@@ -25,6 +25,7 @@ from embodied.workers.rollout_worker import BOOTSTRAP_MASKS, RolloutWorker
 from envs.registry import check_env_config, seed_scheme
 from envs.subproc import EnvCrashedError
 from policies.registry import check_policy_config
+from scheduler.auto import AutoPlan, auto_placement
 from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.context_switch import ContextSwitcher
@@ -60,7 +61,12 @@ class Workers:
         check_placement(cfg.placement, cfg.env.num_envs)
         _check_groups(cfg)
         start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
-        self.plan = plan = make_plan(cfg.placement, cluster_devices(), num_envs=cfg.env.num_envs)
+        devices = cluster_devices()
+        self.auto: AutoPlan | None = None
+        if cfg.placement.mode == "auto":  # profile (or read the cache), plan, and run the best plan
+            self.auto = auto_placement(cfg, len(devices.devices), devices.kind)
+            cfg.placement = self.auto.placement
+        self.plan = plan = make_plan(cfg.placement, devices, num_envs=cfg.env.num_envs)
         threads, stages = cfg.placement.torch_threads, plan.pipeline_stages
         self.envs_per_worker = cfg.env.num_envs // cfg.placement.env_workers
         self.env = WorkerGroup(EnvWorker, "env", plan, threads, env_cfg=cfg.env,
@@ -226,7 +232,7 @@ class Workers:
 def _check_groups(cfg: TrainConfig) -> None:
     """GRPO compares the envs of a group: at least two, all in one micro-batch."""
     algo = cfg.algorithm
-    if algo.advantage not in OUTCOME_ADVANTAGES:
+    if algo.advantage not in OUTCOME_ADVANTAGES or cfg.placement.mode == "auto":  # auto: the planner checks
         return
     micro_batch = cfg.env.num_envs // (cfg.placement.env_workers * cfg.placement.pipeline_stages)
     if algo.group_size < 2 or micro_batch % algo.group_size:
@@ -269,7 +275,11 @@ class Trainer:
         self.episodic = cfg.algorithm.advantage in OUTCOME_ADVANTAGES
         self.total_iterations = math.ceil(cfg.runner.total_env_steps / self.steps_per_iteration)
         self.log = RunLogger(run_dir, cfg.runner.total_env_steps, self.progress.env_steps, cfg.runner.progress)
+        if self.workers.auto is not None:
+            auto = self.workers.auto
+            self.log.note("placement", f"auto, from {auto.profile_path}:\n{auto.choice.markdown(limit=12)}")
         self.log.note("placement", self.workers.plan.describe())
+        self.iteration_seconds: list[float] = []
 
     # -- checkpoints ------------------------------------------------------------
     def save(self) -> Path:
@@ -338,6 +348,7 @@ class Trainer:
         episodes, trajectories, times = self.workers.rollout_steps(self.workers.steps_per_rollout)
         stats, update_times = self.workers.update(trajectories)
         t2 = time.perf_counter()
+        self.iteration_seconds.append(t2 - t0)
         p.iteration += 1
         p.env_steps += self.steps_per_iteration
         scalars = {f"train/{k}": v for k, v in stats.items()}
@@ -388,9 +399,25 @@ class Trainer:
             "solved_minutes": None if self.progress.solved_at_seconds is None
             else self.progress.solved_at_seconds / 60,
         }
+        if self.workers.auto is not None:
+            summary["auto_placement"] = self._auto_report()
         self.log.scalars({"eval/final_success_once": summary["success_once"],
                           "eval/final_success_at_end": summary["success_at_end"]}, self.progress.env_steps)
         return summary
+
+    def _auto_report(self) -> dict:
+        """The auto plan's predicted iteration time against the measured one (the median
+        iteration after the first, which pays one-time start-up costs)."""
+        import statistics
+
+        auto = self.workers.auto
+        steady = self.iteration_seconds[1:] or self.iteration_seconds
+        measured = statistics.median(steady) if steady else None
+        return {"plan": auto.choice.best.candidate.name(), "predicted_iteration_s": auto.predicted_s,
+                "measured_iteration_s": measured,
+                "measured_over_predicted": measured / auto.predicted_s if measured else None,
+                "profile": str(auto.profile_path), "profiled_now": auto.profiled_now,
+                "profile_seconds": auto.profile_seconds}
 
     def close(self) -> None:
         self.log.close()

@@ -18,7 +18,8 @@ worker's slice is cut into. :func:`predict` combines them as the runner executes
   is on, one offload and one onload per iteration; plus one weight sync.
 
 Memory per device is the sum of the groups resident on it; with offload a device holds
-the larger of its generation phase (env + rollout) and its training phase (actor).
+the larger of its generation phase (env + rollout) and its training phase (actor). A
+GRPO workload (``group_size > 1``) also needs every micro-batch to hold whole groups.
 """
 
 from __future__ import annotations
@@ -67,18 +68,22 @@ class Profile:
     rollout_memory: Curve = Curve(0.0, 0.0)  # a policy copy inferring on n observations
     actor_memory: Curve = Curve(0.0, 0.0)  # weights, gradients and optimizer state training on n samples
     device_memory: float = float("inf")  # what one device holds
+    episode_steps: int = 0  # the env's episode length in decisions (an iteration of rollout_steps: null)
 
 
 @dataclass(frozen=True)
 class Workload:
     num_envs: int  # N
     steps: int  # T: decisions per env per iteration
+    group_size: int = 1  # GRPO: envs per group, which must not span micro-batches
 
 
 @dataclass(frozen=True)
 class Candidate:
     """A plan: device counts per group, micro-batches per env worker, offload. Devices are
-    numbered env first, then rollout, then actor (shared groups reuse the first ones)."""
+    numbered env first, then rollout, then actor: colocated groups all use ``0..D-1``; a hybrid
+    actor shares the rollout workers' devices (the policy's weights are there already). One
+    env worker and one rollout worker per device; one actor worker, on its first device."""
 
     mode: str
     env_devices: int
@@ -97,7 +102,7 @@ class Candidate:
         if self.mode == "colocated":
             return {"env": range(e), "rollout": range(r), "actor": range(a)}
         if self.mode == "hybrid":
-            return {"env": range(e), "rollout": range(e, e + r), "actor": range(a)}
+            return {"env": range(e), "rollout": range(e, e + r), "actor": range(e, e + a)}
         return {"env": range(e), "rollout": range(e, e + r), "actor": range(e + r, e + r + a)}
 
     def total_devices(self) -> int:
@@ -148,7 +153,7 @@ def device_memory(c: Candidate, p: Profile, w: Workload) -> dict[int, float]:
         generation[d] = generation.get(d, 0.0) + p.rollout_memory(w.num_envs / c.rollout_devices)
     peak = dict(generation)
     actor = p.actor_memory(w.num_envs * w.steps)
-    for d in sets["actor"]:
+    for d in sets["actor"][:1]:  # one actor worker
         peak[d] = max(generation.get(d, 0.0), actor) if c.offload else generation.get(d, 0.0) + actor
     return peak
 
@@ -164,4 +169,6 @@ def predict(c: Candidate, p: Profile, w: Workload) -> Prediction:
                           f"which holds {p.device_memory:.0f}")
     elif w.num_envs % (c.env_devices * c.stages):
         out.infeasible = f"{w.num_envs} envs do not split into {c.env_devices} x {c.stages} micro-batches"
+    elif (w.num_envs // (c.env_devices * c.stages)) % w.group_size:
+        out.infeasible = f"micro-batches of {w.num_envs // (c.env_devices * c.stages)} envs split GRPO groups"
     return out

@@ -135,7 +135,8 @@ def make_plan(placement_cfg, cluster: ClusterDevices, num_envs: int) -> Plan:
     """Validate ``placement_cfg`` against the cluster's devices and build the Plan."""
     cfg = placement_cfg
     if cfg.mode not in MODES:
-        raise UserError(f"placement.mode={cfg.mode!r} is not a placement mode: use one of {', '.join(MODES)}.")
+        raise UserError(f"placement.mode={cfg.mode!r} is not a placement mode: use one of {', '.join(MODES)}, "
+                        "or auto.")
     counts = {"env": cfg.env_workers, "rollout": cfg.rollout_workers, "actor": cfg.actor_workers}
     groups = {name: _group(name, getattr(cfg, name), counts[name], cluster) for name in GROUPS}
     if counts["actor"] != 1:
@@ -157,7 +158,9 @@ def make_plan(placement_cfg, cluster: ClusterDevices, num_envs: int) -> Plan:
 
 def check_placement(placement_cfg, num_envs: int) -> None:
     """Every check of :func:`make_plan` that needs no cluster (modes, overlaps, counts, stages),
-    so that a bad placement fails before Ray starts."""
+    so that a bad placement fails before Ray starts. ``mode: auto`` is checked once planned."""
+    if placement_cfg.mode == "auto":
+        return
     highest = max(max(parse_devices(getattr(placement_cfg, name))) for name in GROUPS)
     make_plan(placement_cfg, ClusterDevices.single_node("cpu", max(highest, 0) + 1), num_envs)
 

@@ -5,7 +5,7 @@ Candidates for ``D`` devices (see :class:`scheduler.cost_model.Candidate`):
 - ``colocated``: every group on all ``D`` devices, taking turns (one stage), with and
   without offloading the actor between phases;
 - ``hybrid``: env workers on ``De`` devices, rollout workers on the other ``D - De``, the
-  actor on all ``D`` (time-sharing, with and without offload), ``S`` micro-batches;
+  actor time-sharing the rollout devices (with and without offload), ``S`` micro-batches;
 - ``disaggregated``: env, rollout and actor each on devices of their own, ``S`` micro-batches.
 
 ``S`` ranges over ``stages`` (powers of two by default). The best plan is the feasible one
@@ -22,12 +22,14 @@ from scheduler.cost_model import Candidate, Prediction, Profile, Workload, predi
 DEFAULT_STAGES = (1, 2, 4, 8)
 
 
-def candidates(devices: int, stages: tuple[int, ...] = DEFAULT_STAGES) -> list[Candidate]:
-    """Every plan on ``devices`` devices, simplest first."""
-    out = [Candidate("colocated", devices, devices, devices, 1, offload) for offload in (False, True)]
+def candidates(devices: int, stages: tuple[int, ...] = DEFAULT_STAGES, offload: bool = True) -> list[Candidate]:
+    """Every plan on ``devices`` devices, simplest first; ``offload=False`` leaves out the plans
+    that offload (CPU slots: they share one host memory, there is nothing to free)."""
+    switches = (False, True) if offload else (False,)
+    out = [Candidate("colocated", devices, devices, devices, 1, o) for o in switches]
     for s in stages:
         for env in range(1, devices):
-            out += [Candidate("hybrid", env, devices - env, devices, s, offload) for offload in (False, True)]
+            out += [Candidate("hybrid", env, devices - env, devices - env, s, o) for o in switches]
         for env in range(1, devices - 1):
             for rollout in range(1, devices - env):
                 out.append(Candidate("disaggregated", env, rollout, devices - env - rollout, s))
@@ -50,10 +52,10 @@ class PlanChoice:
         return "\n".join(rows)
 
 
-def plan(profile: Profile, workload: Workload, devices: int,
-         stages: tuple[int, ...] = DEFAULT_STAGES) -> PlanChoice:
+def plan(profile: Profile, workload: Workload, devices: int, stages: tuple[int, ...] = DEFAULT_STAGES,
+         offload: bool = True) -> PlanChoice:
     """The fastest feasible plan on ``devices`` devices, with the table of all candidates."""
-    predictions = [predict(c, profile, workload) for c in candidates(devices, stages)]
+    predictions = [predict(c, profile, workload) for c in candidates(devices, stages, offload)]
     order = sorted(range(len(predictions)),
                    key=lambda i: (not predictions[i].feasible, predictions[i].iteration_s, i))
     table = [predictions[i] for i in order]

@@ -39,9 +39,10 @@ def test_linear_stages_without_switch_costs_favour_colocation():
 
 
 def test_memory_that_only_fits_split_forces_a_split_plan():
-    """Env and actor do not fit on one device together and offloading is slow: with 3 devices
-    the groups get devices of their own, pipelined."""
-    p = _profile(env_memory=Curve(40_000, 0), actor_memory=Curve(50_000, 0), offload_s=30.0)
+    """The actor fits on no device beside env or rollout workers and offloading is slow: with
+    3 devices the groups get devices of their own, pipelined."""
+    p = _profile(env_memory=Curve(40_000, 0), rollout_memory=Curve(35_000, 0), actor_memory=Curve(50_000, 0),
+                 offload_s=30.0)
     choice = plan(p, WORK, devices=3)
     assert choice.best.candidate.mode == "disaggregated" and choice.best.candidate.stages > 1
     no_offload = predict(Candidate("colocated", 3, 3, 3, 1, False), p, WORK)
@@ -84,4 +85,5 @@ def test_candidates_cover_every_split_once():
     assert len(plans) == len(set(plans))
     assert all(c.total_devices() <= 4 for c in plans)
     assert {c.mode for c in plans} == {"colocated", "hybrid", "disaggregated"}
-    assert Candidate("disaggregated", 2, 1, 1, 2) in plans and Candidate("hybrid", 3, 1, 4, 2, True) in plans
+    assert Candidate("disaggregated", 2, 1, 1, 2) in plans and Candidate("hybrid", 3, 1, 1, 2, True) in plans
+    assert all(not c.offload for c in candidates(4, offload=False))

@@ -1,0 +1,72 @@
+"""``placement.mode: auto``: profile the stages (or read the cached profile), plan, apply the plan.
+
+:func:`auto_placement` returns the placement config of the fastest feasible plan the
+planner finds for this cluster's devices, with the table of candidates and the predicted
+iteration time; the runner logs the table, runs the plan and, at the end, reports the
+prediction against the measured iteration time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from embodied.errors import UserError
+from scheduler.cost_model import Candidate, Profile, Workload
+from scheduler.planner import PlanChoice, plan
+from scheduler.profiler import cached_profile
+
+
+@dataclass
+class AutoPlan:
+    placement: object  # the PlacementConfig to run
+    choice: PlanChoice
+    profile: Profile
+    profile_path: Path
+    profiled_now: bool
+    profile_seconds: float  # spent profiling in this run (0 when the cache had it)
+
+    @property
+    def predicted_s(self) -> float:
+        return self.choice.best.iteration_s
+
+
+def profile_sizes(num_envs: int) -> list[int]:
+    """Batch sizes to measure: a micro-batch of a quarter, half and all of the envs."""
+    return sorted({max(1, num_envs // 4), max(1, num_envs // 2), num_envs})
+
+
+def workload_of(cfg, profile: Profile) -> Workload:
+    """An iteration of ``cfg``: its envs, decisions per env and (GRPO) group size."""
+    group = cfg.algorithm.group_size if cfg.algorithm.advantage == "grpo" else 1
+    return Workload(cfg.env.num_envs, cfg.algorithm.rollout_steps or profile.episode_steps, group)
+
+
+def _span(devices: range) -> str:
+    return f"{devices.start}-{devices.stop - 1}" if len(devices) > 1 else str(devices.start)
+
+
+def to_placement(c: Candidate, base) -> object:
+    """The placement config that runs candidate ``c`` (``base`` gives the other fields)."""
+    sets = c.device_sets()
+    return dataclasses.replace(
+        base, mode=c.mode, env=_span(sets["env"]), rollout=_span(sets["rollout"]), actor=_span(sets["actor"]),
+        env_workers=c.env_devices, rollout_workers=c.rollout_devices, actor_workers=1, pipeline_stages=c.stages,
+        offload="always" if c.offload else "never")
+
+
+def auto_placement(cfg, devices: int, device_kind: str, log=print) -> AutoPlan:
+    """Profile ``cfg`` on this machine (cached), plan for ``devices`` devices, and choose."""
+    started = time.perf_counter()
+    profile, path, measured = cached_profile(cfg, profile_sizes(cfg.env.num_envs), devices,
+                                             Path(cfg.placement.profile_dir), log)
+    seconds = time.perf_counter() - started
+    choice = plan(profile, workload_of(cfg, profile), devices, offload=device_kind == "gpu")
+    if choice.best is None:
+        raise UserError(f"placement.mode=auto found no plan that fits {devices} {device_kind} device(s): "
+                        f"{choice.table[0].infeasible}. Give the run more devices, fewer envs or a smaller "
+                        "policy.")
+    return AutoPlan(to_placement(choice.best.candidate, cfg.placement), choice, profile, path, measured,
+                    seconds if measured else 0.0)
