@@ -274,6 +274,47 @@ def cmd_bench(overrides: list[str], as_json: bool, iterations: int) -> int:
     return 0
 
 
+def cmd_plan(overrides: list[str], devices: int | None, profile_path: str | None, as_json: bool) -> int:
+    """``embodied plan [overrides]``: the candidate plans for a config, predicted from its profile
+    (``--profile`` or the cache; measured now if neither has it), for this machine's devices or
+    ``--devices N`` (what-if: size a cluster from a profile taken on one machine)."""
+    import json
+
+    from embodied.config import compose
+    from scheduler.auto import profile_sizes, to_placement, workload_of
+    from scheduler.planner import plan
+    from scheduler.profiler import cached_profile, load
+
+    cfg = compose(overrides)
+    if profile_path is not None:
+        if not Path(profile_path).exists():
+            raise UserError(f"--profile {profile_path}: no such file. Profiles are written by `embodied plan` and "
+                            f"`placement.mode=auto` runs under placement.profile_dir ({cfg.placement.profile_dir}).")
+        profile, source = load(Path(profile_path)), Path(profile_path)
+    else:
+        from scheduler.cluster import cluster_devices, start_cluster
+
+        start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
+        here = cluster_devices()
+        devices = devices or len(here.devices)
+        profile, source, _ = cached_profile(cfg, profile_sizes(cfg.env.num_envs), len(here.devices),
+                                            Path(cfg.placement.profile_dir), log=lambda m: print(m, file=sys.stderr))
+    devices = devices or 1
+    choice = plan(profile, workload_of(cfg, profile), devices, offload=profile.device_kind == "gpu")
+    if as_json:
+        print(json.dumps({"profile": str(source), "devices": devices, "best": choice.best and choice.best.candidate.name(),
+                          "candidates": [{"plan": p.candidate.name(), "predicted_s": p.iteration_s,
+                                          "feasible": p.feasible, "why": p.infeasible} for p in choice.table]}, indent=2))
+        return 0
+    print(f"profile: {source}; {devices} device(s); {cfg.env.num_envs} envs\n")
+    print(choice.markdown())
+    if choice.best is not None:
+        best = to_placement(choice.best.candidate, cfg.placement)
+        keys = ("mode", "env", "rollout", "actor", "env_workers", "rollout_workers", "pipeline_stages", "offload")
+        print("\nrun it with: " + " ".join(f"placement.{k}={getattr(best, k)}" for k in keys))
+    return 0
+
+
 def _explain(err: BaseException) -> tuple[str, int] | None:
     """A user-facing (message, exit code) for errors we know how to explain."""
     from envs.subproc import EnvCrashedError
@@ -303,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
     parser.add_argument("--json", action="store_true", help="bench: print the results as JSON")
     parser.add_argument("--iterations", type=int, default=2, help="bench: measured iterations per mode")
-    parser.add_argument("command", choices=["train", "sft", "eval", "record", "bench", "check-render", "setup-render"])
+    parser.add_argument("--devices", type=int, help="plan: plan for this many devices (what-if)")
+    parser.add_argument("--profile", help="plan: a saved profile (JSON) instead of this machine's")
+    parser.add_argument("command", choices=["train", "sft", "eval", "record", "bench", "plan", "check-render",
+                                            "setup-render"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
                         "(bench: the benchmark name first, e.g. `embodied bench pipeline`)")
     args = parser.parse_intermixed_args(argv)
@@ -313,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": lambda: cmd_eval(args.overrides),
         "record": lambda: cmd_record(args.overrides),
         "bench": lambda: cmd_bench(args.overrides, args.json, args.iterations),
+        "plan": lambda: cmd_plan(args.overrides, args.devices, args.profile, args.json),
         "check-render": cmd_check_render,
         "setup-render": cmd_setup_render,
     }

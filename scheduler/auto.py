@@ -58,12 +58,13 @@ def to_placement(c: Candidate, base) -> object:
 
 
 def auto_placement(cfg, devices: int, device_kind: str, log=print) -> AutoPlan:
-    """Profile ``cfg`` on this machine (cached), plan for ``devices`` devices, and choose."""
+    """Profile ``cfg`` on this machine (cached), plan for ``devices`` devices, and choose.
+    ``device_kind`` names the devices in errors; the profile says whether offloading helps."""
     started = time.perf_counter()
     profile, path, measured = cached_profile(cfg, profile_sizes(cfg.env.num_envs), devices,
                                              Path(cfg.placement.profile_dir), log)
     seconds = time.perf_counter() - started
-    choice = plan(profile, workload_of(cfg, profile), devices, offload=device_kind == "gpu")
+    choice = plan(profile, workload_of(cfg, profile), devices, offload=profile.device_kind == "gpu")
     if choice.best is None:
         raise UserError(f"placement.mode=auto found no plan that fits {devices} {device_kind} device(s): "
                         f"{choice.table[0].infeasible}. Give the run more devices, fewer envs or a smaller "

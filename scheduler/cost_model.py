@@ -69,6 +69,7 @@ class Profile:
     actor_memory: Curve = Curve(0.0, 0.0)  # weights, gradients and optimizer state training on n samples
     device_memory: float = float("inf")  # what one device holds
     episode_steps: int = 0  # the env's episode length in decisions (an iteration of rollout_steps: null)
+    device_kind: str = "cpu"  # "gpu" or "cpu" (CPU slots share host memory: offloading frees nothing)
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,7 @@ def measure(cfg, sizes: list[int], devices: int, repeats: int = 5) -> Profile:
         torch.set_num_threads(threads)
         gc.collect()
     return Profile(env_step=env_time, env_memory=env_memory, hop_s=hop, episode_steps=episode,
+                   device_kind="gpu" if device.type == "cuda" else "cpu",
                    device_memory=_device_memory_mib(device, devices), **policy)
 
 

@@ -87,3 +87,37 @@ def test_candidates_cover_every_split_once():
     assert {c.mode for c in plans} == {"colocated", "hybrid", "disaggregated"}
     assert Candidate("disaggregated", 2, 1, 1, 2) in plans and Candidate("hybrid", 3, 1, 1, 2, True) in plans
     assert all(not c.offload for c in candidates(4, offload=False))
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 4])
+def test_every_candidate_is_a_placement_the_runner_accepts(devices):
+    """auto runs the planner's choice through make_plan: every candidate must be a valid plan."""
+    from embodied.config import compose
+    from scheduler.auto import to_placement
+    from scheduler.placement import ClusterDevices, make_plan
+
+    base = compose([]).placement
+    cluster = ClusterDevices.single_node("gpu", devices)
+    for c in candidates(devices):
+        made = make_plan(to_placement(c, base), cluster, num_envs=96)  # 96 splits for every candidate
+        assert made.mode == c.mode and made.pipeline_stages == c.stages and made.offload == c.offload
+        assert {name: sorted(g.devices) for name, g in made.groups.items()} == {
+            name: list(r) for name, r in c.device_sets().items()}
+
+
+def test_a_saved_profile_answers_what_if_questions_offline(tmp_path):
+    """`embodied plan --profile P --devices N`: no cluster, no measuring; the table and the overrides."""
+    from scheduler.profiler import load, save
+    from tests.conftest import run_cli
+
+    path = save(_profile(device_kind="gpu", episode_steps=50), tmp_path / "profile.json")
+    assert load(path) == _profile(device_kind="gpu", episode_steps=50)
+    proc = run_cli("plan", "env.num_envs=64", "--devices", "8", "--profile", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    result = json.loads(proc.stdout)
+    assert result["devices"] == 8 and result["best"] == result["candidates"][0]["plan"]
+    assert len(result["candidates"]) == len(candidates(8))
+    proc = run_cli("plan", "--profile", str(tmp_path / "missing.json"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
