@@ -82,18 +82,26 @@ def main() -> None:
     parser.add_argument("--eval-episodes", type=int, default=100)
     parser.add_argument("--out", default="runs/vla_sft_rl")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--reuse-sft", action="store_true",
+                        help="keep <out>/sft (and the wall time it recorded in <out>/sft_wall_s) and rerun only RL")
     parser.add_argument("overrides", nargs="*", help="extra `embodied train` overrides")
     args = parser.parse_args()
     out = Path(args.out)
     sft_dir, rl_dir = out / "sft", out / "rl"
     common = [*ENV, f"policy={args.policy}", f"eval.episodes={args.eval_episodes}"]
     started = time.perf_counter()
-    # demos are recorded afresh into the output directory: their time counts
-    sft_s = run(["sft", *common, f"sft.demos={args.demos}", f"sft.epochs={args.sft_epochs}",
-                 f"sft.demos_dir={out / 'demos'}", "runner.progress=false", f"runner.run_dir={sft_dir}"])
+    if args.reuse_sft:
+        sft_s = float((out / "sft_wall_s").read_text())
+    else:
+        # demos are recorded afresh into the output directory: their time counts
+        sft_s = run(["sft", *common, f"sft.demos={args.demos}", f"sft.epochs={args.sft_epochs}",
+                     f"sft.demos_dir={out / 'demos'}", "runner.progress=false", f"runner.run_dir={sft_dir}"])
+        (out / "sft_wall_s").write_text(f"{sft_s:.1f}")
+    if rl_dir.exists():
+        rl_dir.rename(out / f"rl-before-{time.strftime('%H%M%S')}")  # an earlier attempt stays readable
     rl_s = run(["train", f"checkpoint={sft_dir}", *RL, f"eval.episodes={args.eval_episodes}",
                 f"runner.max_minutes={args.rl_minutes}", f"runner.run_dir={rl_dir}", *args.overrides])
-    total_s = time.perf_counter() - started
+    total_s = time.perf_counter() - started + (sft_s if args.reuse_sft else 0.0)
     before, after = (json.loads((d / "eval.json").read_text()) for d in (sft_dir, rl_dir))
     png = plot(rl_dir, before["success_once"], after["success_once"], out / "learning_curve.png")
     result = {
