@@ -1,0 +1,116 @@
+"""Does ``placement: auto`` pick the fastest plan, and does it predict its iteration time?
+
+    .venv/bin/python benchmarks/plan_accuracy.py [--iterations 2] [--only NAME ...] [--json]
+
+For each workload of a grid (policy cost against simulator cost, env counts, pipeline depth
+among the candidates), on this machine's devices:
+
+1. profile the stages (``scheduler/profiler.py``; the profile is cached like auto's) and
+   plan (``scheduler/planner.py``): the auto plan and its predicted iteration time;
+2. run every feasible candidate plan with the real worker groups (pinned CPU slots on a CPU
+   machine): one warm-up iteration, then ``--iterations`` measured ones of weight sync,
+   rollout and PPO update;
+3. report the best measured plan, the auto plan, auto's throughput over the best's, and
+   auto's predicted against measured iteration time.
+
+``--json`` prints ``{"workloads": [{name, best_plan, auto_plan, auto_over_best, predicted_s,
+measured_s}, ...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+COMMON = ["runner.progress=false", "placement.pin_cpus=true", "placement.profile_dir=runs/profiles",
+          "algorithm.update_epochs=2", "algorithm.num_minibatches=2"]
+WORKLOADS = {
+    "state-mlp-8": ["env.num_envs=8", "algorithm.rollout_steps=25"],
+    "state-mlp-32": ["env.num_envs=32", "algorithm.rollout_steps=25"],
+    "state-wide-mlp-16": ["env.num_envs=16", "algorithm.rollout_steps=25", "policy.hidden_sizes=[1024,1024,1024]"],
+    "rgb-cnn-8": ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.num_envs=8", "policy=cnn",
+                  "algorithm.rollout_steps=20"],
+    "rgb-cnn-wide-8": ["env=maniskill_pushcube_rgb", "env.image_size=128", "env.num_envs=8", "policy=cnn_wide",
+                       "algorithm.rollout_steps=20"],
+    "rgb-oft-tiny-8": ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.num_envs=8",
+                       "env.max_episode_steps=100", "policy=openvla_oft_tiny", "algorithm.rollout_steps=5"],
+}
+
+
+def measure_plan(cfg, iterations: int) -> float:
+    """Median seconds of an iteration (weight sync, rollout, PPO update) after one warm-up."""
+    from embodied.runner import Workers
+
+    workers = Workers(cfg)
+    try:
+        workers.env.call("reset", seed=cfg.runner.seed)
+        times = []
+        for _ in range(iterations + 1):
+            started = time.perf_counter()
+            workers.prepare_generation(force_sync=True)
+            _, refs, _ = workers.rollout_steps(workers.steps_per_rollout)
+            workers.update(refs)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])
+    finally:
+        workers.shutdown()
+
+
+def run_workload(name: str, overrides: list[str], iterations: int) -> dict:
+    import dataclasses
+
+    from embodied.config import compose
+    from scheduler.auto import auto_placement, to_placement
+    from scheduler.cluster import cluster_devices, start_cluster
+
+    cfg = compose([*COMMON, *overrides])
+    start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
+    devices = cluster_devices()
+    auto = auto_placement(cfg, len(devices.devices), devices.kind, log=lambda m: print(m, file=sys.stderr))
+    measured = {}
+    for pred in auto.choice.table:
+        if not pred.feasible:
+            continue
+        run_cfg = dataclasses.replace(cfg, placement=to_placement(pred.candidate, cfg.placement))
+        measured[pred.candidate.name()] = (measure_plan(run_cfg, iterations), pred.iteration_s)
+        print(f"{name}: {pred.candidate.name()}: measured {measured[pred.candidate.name()][0]:.3f} s, "
+              f"predicted {pred.iteration_s:.3f} s", file=sys.stderr)
+    best = min(measured, key=lambda k: measured[k][0])
+    auto_name = auto.choice.best.candidate.name()
+    auto_s, predicted = measured[auto_name]
+    return {"name": name, "best_plan": best, "auto_plan": auto_name, "auto_over_best": measured[best][0] / auto_s,
+            "predicted_s": predicted, "measured_s": auto_s, "predicted_over_measured": predicted / auto_s,
+            "profile_seconds": auto.profile_seconds,
+            "plans": {k: {"measured_s": m, "predicted_s": p} for k, (m, p) in measured.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=None, help="workload names to run")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    names = args.only or list(WORKLOADS)
+    rows = [run_workload(n, WORKLOADS[n], args.iterations) for n in names]
+    Path("bench").mkdir(exist_ok=True)
+    (Path("bench") / f"plan_accuracy-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(rows, indent=2))
+    if args.json:
+        print(json.dumps({"workloads": [{k: r[k] for k in ("name", "best_plan", "auto_plan", "auto_over_best",
+                                                           "predicted_s", "measured_s")} for r in rows]}, indent=2))
+        return
+    print("| workload | best measured plan | auto plan | auto / best throughput | predicted (s) | measured (s) | "
+          "error |\n|---|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['name']} | {r['best_plan']} | {r['auto_plan']} | {r['auto_over_best']:.2f} | "
+              f"{r['predicted_s']:.2f} | {r['measured_s']:.2f} | {100 * (r['predicted_over_measured'] - 1):+.0f}% |")
+    good = sum(r["auto_over_best"] >= 0.95 for r in rows)
+    close = sum(abs(r["predicted_over_measured"] - 1) <= 0.15 for r in rows)
+    print(f"\nauto >= 0.95x best in {good}/{len(rows)}; predicted within 15% in {close}/{len(rows)}")
+
+
+if __name__ == "__main__":
+    main()
