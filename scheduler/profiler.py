@@ -102,7 +102,8 @@ def measure_env(env_cfg, sizes: list[int], repeats: int, chunk: int = 1) -> tupl
     times, memory, obs, action_dim, episode = [], [], None, 0, 0
     for n in sizes:
         before = _memory_mib(torch.device("cpu"))
-        env = make_vec_env(env_cfg, num_envs=n, num_procs=0)
+        # in-process where the backend allows it; process-parallel backends (LIBERO) keep their processes
+        env = make_vec_env(env_cfg, num_envs=n, num_procs=min(n, env_cfg.num_procs) if env_cfg.num_procs else 0)
         if chunk > 1:
             env = ChunkedVecEnv(env, chunk)
         try:
