@@ -51,26 +51,38 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def plot(rl_dir: Path, before: float, after: float, out: Path) -> Path:
+    """Training episodes' success and return per iteration (sampled actions), with the greedy
+    evaluations of the SFT checkpoint (step 0) and of the final policy marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curve = scalars(rl_dir, "env/success_once")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if curve:
-        steps, values = zip(*curve, strict=True)
-        ax.plot(steps, values, label="training episodes (sampled actions)")
-    last = curve[-1][0] if curve else 1
-    ax.scatter([0, last], [before, after], color="red", zorder=3, label="eval, greedy (SFT, after RL)")
-    ax.set_xlabel("RL env steps")
-    ax.set_ylabel("success rate")
-    ax.set_ylim(0, 1)
-    ax.legend()
-    ax.set_title("PushCube-v1 from RGB: tiny VLA, SFT then PPO")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    success = scalars(rl_dir, "env/success_once")
+    last = success[-1][0] if success else 1
+    if success:
+        top.plot(*zip(*success, strict=True), alpha=0.4, label="training episodes (sampled actions)")
+        top.plot(*zip(*_smooth(success), strict=True), label="same, mean of 5 iterations")
+    top.scatter([0, last], [before, after], color="red", zorder=3, label="eval, 100 episodes, greedy")
+    top.set_ylabel("success rate")
+    top.set_ylim(0, 1)
+    top.legend(fontsize=8)
+    returns = scalars(rl_dir, "env/return")
+    if returns:
+        bottom.plot(*zip(*returns, strict=True), alpha=0.4)
+        bottom.plot(*zip(*_smooth(returns), strict=True))
+    bottom.set_ylabel("training episode return (dense)")
+    bottom.set_xlabel("RL env steps")
+    top.set_title("PushCube-v1 from RGB: tiny OpenVLA-OFT, SFT then PPO")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     return out
+
+
+def _smooth(points: list[tuple[int, float]], window: int = 5) -> list[tuple[int, float]]:
+    return [(points[i][0], sum(v for _, v in points[max(0, i - window + 1):i + 1]) / len(points[max(0, i - window + 1):i + 1]))
+            for i in range(len(points))]
 
 
 def main() -> None:
