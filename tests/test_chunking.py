@@ -78,3 +78,12 @@ def test_ppo_units_share_their_sample_advantage():
     clipped = ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)
     expected = torch.max(-adv[:, None] * ratio, -adv[:, None] * clipped).mean()
     torch.testing.assert_close(per_unit, expected)
+
+
+def test_only_vla_policies_take_chunks():
+    from embodied.errors import UserError
+    from policies.registry import check_policy_config
+
+    check_policy_config(compose(["policy=openvla_tiny", "policy.chunk_size=2"]).policy)
+    with pytest.raises(UserError, match="chunk_size=2 is not possible for policy=mlp"):
+        check_policy_config(compose(["policy=openvla_tiny", "policy.name=mlp", "policy.chunk_size=2"]).policy)

@@ -15,6 +15,8 @@ CASES = {
     "unknown loss": (["train", "algorithm.loss=ppo2"], ["algorithm.loss", "'ppo'"]),
     "unknown bootstrap rule": (["train", "algorithm.bootstrap=always"], ["algorithm.bootstrap", "all_ends"]),
     "missing checkpoint": (["eval", "checkpoint=/nonexistent/run"], ["/nonexistent/run", "checkpoint="]),
+    "missing warm-start checkpoint": (["train", "checkpoint=/nonexistent/run"], ["/nonexistent/run", "checkpoint="]),
+    "unknown log-prob level": (["train", "algorithm.logprob_level=sentence"], ["algorithm.logprob_level", "action, chunk, token"]),
     "training the random baseline": (["train", "policy.name=random"], ["nothing to train", "policy=mlp"]),
     "GRPO group too small": (["train", "algorithm=grpo", "algorithm.group_size=1"], ["group_size=1", ">= 2"]),
     "GRPO episode longer than an iteration": (["train", "algorithm=grpo", "algorithm.group_size=4", "env.num_envs=8",
