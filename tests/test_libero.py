@@ -184,6 +184,7 @@ def test_vec_env_mixes_tasks_across_processes():
         env.close()
 
 
+@pytest.mark.slow  # ~40 s; the same watchdog is tested on ManiSkill processes in test_vecenv.py
 def test_watchdog_replaces_a_killed_libero_process():
     import os
     import signal

@@ -71,6 +71,7 @@ def test_rl_from_the_sft_checkpoint_runs_chunks_and_trains_per_token(sft_run, tm
     sft_dir, _ = sft_run
     run_dir = tmp_path / "rl"
     proc = run_cli("train", f"checkpoint={sft_dir}", "env.num_envs=2", "env.max_episode_steps=8",
+                   "placement.env_workers=1", "placement.env=0",
                    "algorithm.rollout_steps=2", "algorithm.num_minibatches=1", "algorithm.logprob_level=token",
                    "runner.total_env_steps=16", "eval.episodes=2", "eval.video_episodes=1", "runner.progress=false",
                    f"runner.run_dir={run_dir}")
