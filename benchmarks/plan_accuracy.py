@@ -1,6 +1,7 @@
 """Does ``placement: auto`` pick the fastest plan, and does it predict its iteration time?
 
-    .venv/bin/python benchmarks/plan_accuracy.py [--iterations 2] [--only NAME ...] [--json]
+    .venv/bin/python benchmarks/plan_accuracy.py [--iterations 4] [--only NAME ...] [--json]
+    .venv/bin/python benchmarks/plan_accuracy.py --from-json bench/plan_accuracy-<time>.json  # print again
 
 For each workload of a grid (policy cost against simulator cost, env counts, pipeline depth
 among the candidates), on this machine's devices:
@@ -88,28 +89,45 @@ def run_workload(name: str, overrides: list[str], iterations: int) -> dict:
             "plans": {k: {"measured_s": m, "predicted_s": p} for k, (m, p) in measured.items()}}
 
 
+def grid_markdown(rows: list[dict]) -> str:
+    """The grid (one row per workload), the verdict, then every measured plan of each workload."""
+    out = ["| workload | best measured plan | auto plan | auto / best throughput | predicted (s) | measured (s) | "
+           "error | profiling (s) | of a 20-min run |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['name']} | {r['best_plan']} | {r['auto_plan']} | {r['auto_over_best']:.2f} | "
+                   f"{r['predicted_s']:.2f} | {r['measured_s']:.2f} | {100 * (r['predicted_over_measured'] - 1):+.0f}% | "
+                   f"{r['profile_seconds']:.0f} | {100 * r['profile_seconds'] / 1200:.1f}% |")
+    good = sum(r["auto_over_best"] >= 0.95 for r in rows)
+    close = sum(abs(r["predicted_over_measured"] - 1) <= 0.15 for r in rows)
+    out.append(f"\nauto >= 0.95x best in {good}/{len(rows)}; predicted within 15% in {close}/{len(rows)}")
+    for r in rows:
+        out += [f"\n{r['name']} (`{' '.join(WORKLOADS[r['name']])}`):\n",
+                "| plan | measured (s) | predicted (s) | error |", "|---|---:|---:|---:|"]
+        for name, m in sorted(r["plans"].items(), key=lambda kv: kv[1]["measured_s"]):
+            out.append(f"| {name}{' (auto)' if name == r['auto_plan'] else ''} | {m['measured_s']:.3f} | "
+                       f"{m['predicted_s']:.3f} | {100 * (m['predicted_s'] / m['measured_s'] - 1):+.0f}% |")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--only", nargs="*", default=None, help="workload names to run")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--from-json", help="print the grid of a saved run (bench/plan_accuracy-*.json)")
     args = parser.parse_args()
-    names = args.only or list(WORKLOADS)
-    rows = [run_workload(n, WORKLOADS[n], args.iterations) for n in names]
-    Path("bench").mkdir(exist_ok=True)
-    (Path("bench") / f"plan_accuracy-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(rows, indent=2))
+    if args.from_json:
+        rows = json.loads(Path(args.from_json).read_text())
+    else:
+        rows = [run_workload(n, WORKLOADS[n], args.iterations) for n in args.only or list(WORKLOADS)]
+        Path("bench").mkdir(exist_ok=True)
+        saved = Path("bench") / f"plan_accuracy-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        saved.write_text(json.dumps(rows, indent=2))
     if args.json:
         print(json.dumps({"workloads": [{k: r[k] for k in ("name", "best_plan", "auto_plan", "auto_over_best",
                                                            "predicted_s", "measured_s")} for r in rows]}, indent=2))
         return
-    print("| workload | best measured plan | auto plan | auto / best throughput | predicted (s) | measured (s) | "
-          "error |\n|---|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['name']} | {r['best_plan']} | {r['auto_plan']} | {r['auto_over_best']:.2f} | "
-              f"{r['predicted_s']:.2f} | {r['measured_s']:.2f} | {100 * (r['predicted_over_measured'] - 1):+.0f}% |")
-    good = sum(r["auto_over_best"] >= 0.95 for r in rows)
-    close = sum(abs(r["predicted_over_measured"] - 1) <= 0.15 for r in rows)
-    print(f"\nauto >= 0.95x best in {good}/{len(rows)}; predicted within 15% in {close}/{len(rows)}")
+    print(grid_markdown(rows))
 
 
 if __name__ == "__main__":

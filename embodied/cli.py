@@ -274,17 +274,24 @@ def cmd_bench(overrides: list[str], as_json: bool, iterations: int) -> int:
     return 0
 
 
-def cmd_plan(overrides: list[str], devices: int | None, profile_path: str | None, as_json: bool) -> int:
+def cmd_plan(overrides: list[str], devices: int | None, profile_path: str | None, as_json: bool,
+             devices_per_node: int | None = None, network_gbps: float = 100.0) -> int:
     """``embodied plan [overrides]``: the candidate plans for a config, predicted from its profile
     (``--profile`` or the cache; measured now if neither has it), for this machine's devices or
-    ``--devices N`` (what-if: size a cluster from a profile taken on one machine)."""
+    ``--devices N`` (what-if: size a cluster from a profile taken on one machine), on nodes of
+    ``--devices-per-node`` devices joined by ``--network-gbps`` links."""
     import json
 
     from embodied.config import compose
     from scheduler.auto import profile_sizes, to_placement, workload_of
+    from scheduler.cost_model import Network
     from scheduler.planner import plan
     from scheduler.profiler import cached_profile, load
 
+    if (devices_per_node is not None and devices_per_node < 1) or network_gbps <= 0:
+        raise UserError(f"--devices-per-node {devices_per_node} / --network-gbps {network_gbps}: both must be "
+                        "positive (e.g. --devices 64 --devices-per-node 8 --network-gbps 100).")
+    network = Network(devices_per_node, network_gbps)
     cfg = compose(overrides)
     if profile_path is not None:
         if not Path(profile_path).exists():
@@ -300,13 +307,16 @@ def cmd_plan(overrides: list[str], devices: int | None, profile_path: str | None
         profile, source, _ = cached_profile(cfg, profile_sizes(cfg.env.num_envs), len(here.devices),
                                             Path(cfg.placement.profile_dir), log=lambda m: print(m, file=sys.stderr))
     devices = devices or 1
-    choice = plan(profile, workload_of(cfg, profile), devices, offload=profile.device_kind == "gpu")
+    choice = plan(profile, workload_of(cfg, profile), devices, offload=profile.device_kind == "gpu", network=network)
+    nodes = -(-devices // devices_per_node) if devices_per_node else 1
     if as_json:
-        print(json.dumps({"profile": str(source), "devices": devices, "best": choice.best and choice.best.candidate.name(),
+        print(json.dumps({"profile": str(source), "devices": devices, "nodes": nodes,
+                          "best": choice.best and choice.best.candidate.name(),
                           "candidates": [{"plan": p.candidate.name(), "predicted_s": p.iteration_s,
                                           "feasible": p.feasible, "why": p.infeasible} for p in choice.table]}, indent=2))
         return 0
-    print(f"profile: {source}; {devices} device(s); {cfg.env.num_envs} envs\n")
+    where = f" on {nodes} nodes ({network.gbps:g} Gb/s links)" if nodes > 1 else ""
+    print(f"profile: {source}; {devices} device(s){where}; {cfg.env.num_envs} envs\n")
     print(choice.markdown())
     if choice.best is not None:
         best = to_placement(choice.best.candidate, cfg.placement)
@@ -346,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=2, help="bench: measured iterations per mode")
     parser.add_argument("--devices", type=int, help="plan: plan for this many devices (what-if)")
     parser.add_argument("--profile", help="plan: a saved profile (JSON) instead of this machine's")
+    parser.add_argument("--devices-per-node", type=int, help="plan: nodes of this many devices (what-if)")
+    parser.add_argument("--network-gbps", type=float, default=100.0, help="plan: link between nodes, Gb/s")
     parser.add_argument("command", choices=["train", "sft", "eval", "record", "bench", "plan", "check-render",
                                             "setup-render"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
@@ -357,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval": lambda: cmd_eval(args.overrides),
         "record": lambda: cmd_record(args.overrides),
         "bench": lambda: cmd_bench(args.overrides, args.json, args.iterations),
-        "plan": lambda: cmd_plan(args.overrides, args.devices, args.profile, args.json),
+        "plan": lambda: cmd_plan(args.overrides, args.devices, args.profile, args.json, args.devices_per_node,
+                                 args.network_gbps),
         "check-render": cmd_check_render,
         "setup-render": cmd_setup_render,
     }

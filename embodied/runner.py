@@ -407,7 +407,8 @@ class Trainer:
 
     def _auto_report(self) -> dict:
         """The auto plan's predicted iteration time against the measured one (the median
-        iteration after the first, which pays one-time start-up costs)."""
+        iteration after the first, which pays one-time start-up costs), and what profiling
+        added to the run (``profile_share``: of profiling plus training time)."""
         import statistics
 
         auto = self.workers.auto
@@ -417,7 +418,8 @@ class Trainer:
                 "measured_iteration_s": measured,
                 "measured_over_predicted": measured / auto.predicted_s if measured else None,
                 "profile": str(auto.profile_path), "profiled_now": auto.profiled_now,
-                "profile_seconds": auto.profile_seconds}
+                "profile_seconds": auto.profile_seconds,
+                "profile_share": auto.profile_seconds / (auto.profile_seconds + self.progress.train_seconds)}
 
     def close(self) -> None:
         self.log.close()

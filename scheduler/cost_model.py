@@ -6,14 +6,24 @@ inferred or samples trained, and the same shape for memory. A :class:`Candidate`
 devices each worker group gets and how many micro-batches (pipeline stages) an env
 worker's slice is cut into. :func:`predict` combines them as the runner executes:
 
-- generation, ``S = 1`` (env and rollout take turns): per step, the env workers step their
-  slices in parallel, then the rollout workers infer theirs, plus one channel round trip:
-  ``T * (env(N / De) + rollouts_per_device * infer(N / Dr) + hop)``;
+- messages: every micro-batch an env worker steps is one message through the channel and
+  back (observations out, actions in). ``hop_s`` is the round trip of a lone message,
+  ``message_s`` the cost of each further message of a step; both are measured on the real
+  workers, since Ray calls cost CPU time that a core also needs for stepping and inferring;
+- generation, ``S = 1`` (env and rollout take turns): per step, the ``De`` env workers step
+  their slices in parallel, then each rollout worker infers the ``De / Dr`` slices it serves:
+  ``T * (env(N / De) + (De / Dr) * infer(N / De) + hop + (De - 1) * message)``;
 - generation, ``S > 1`` (pipelined): per step each env worker steps ``S`` micro-batches of
   ``m = N / (De * S)`` envs while the rollout workers infer on the others; the slower side
-  sets the pace, and one micro-batch of each fills and drains the pipe:
-  ``T * max(S * env(m), (De * S / Dr) * infer(m)) + env(m) + infer(m) + T * hop``;
+  sets the pace, the ``De * S`` messages add their cost, and one micro-batch of each fills
+  and drains the pipe:
+  ``T * (max(S * env(m), (De * S / Dr) * infer(m)) + De * S * message) + env(m) + infer(m) + hop``;
+- both add ``rollout_overhead``: starting the workers' rollout calls and collecting them;
 - training: the PPO update over ``N * T`` samples on the actor's device;
+- several nodes (:class:`Network`): a message between an env worker and the rollout worker
+  serving it on another node also crosses the link (latency, then its bytes at the link's
+  bandwidth, which a pipeline's other micro-batches can hide), and a weight sync to rollout
+  workers on other nodes sends the weights over it;
 - switches: where the actor shares a device with env or rollout workers and ``offload``
   is on, one offload and one onload per iteration; plus one weight sync.
 
@@ -61,15 +71,39 @@ class Profile:
     env_step: Curve  # one step of n envs
     infer: Curve  # one policy act on n observations
     train: Curve  # one PPO update (all epochs) over n samples
-    hop_s: float = 0.0  # one env <-> rollout channel round trip per step
+    hop_s: float = 0.0  # a lone message's env -> rollout -> env round trip through the channel
+    message_s: float = 0.0  # each further message of a step (pipelined micro-batches, more env workers)
+    rollout_overhead_s: float = 0.0  # starting and collecting a rollout's worker calls, once per iteration
     weight_sync_s: float = 0.0
     offload_s: float = 0.0  # the actor's offload + onload, once each
     env_memory: Curve = Curve(0.0, 0.0)  # n envs
     rollout_memory: Curve = Curve(0.0, 0.0)  # a policy copy inferring on n observations
     actor_memory: Curve = Curve(0.0, 0.0)  # weights, gradients and optimizer state training on n samples
     device_memory: float = float("inf")  # what one device holds
+    weights_mib: float = 0.0  # the policy's parameters and buffers, as a weight sync sends them
+    message_mib_per_env: float = 0.0  # one env's observation and action, as a message carries them
     episode_steps: int = 0  # the env's episode length in decisions (an iteration of rollout_steps: null)
     device_kind: str = "cpu"  # "gpu" or "cpu" (CPU slots share host memory: offloading frees nothing)
+
+
+@dataclass(frozen=True)
+class Network:
+    """The cluster's shape for a what-if: ``devices_per_node`` devices per node (None: one
+    node holds them all) joined by links of ``gbps`` gigabits per second and ``latency_s``."""
+
+    devices_per_node: int | None = None
+    gbps: float = 100.0
+    latency_s: float = 20e-6
+
+    def node(self, device: int) -> int:
+        return device // self.devices_per_node if self.devices_per_node else 0
+
+    def transfer_s(self, mib: float) -> float:
+        """Seconds to move ``mib`` MiB over the link, latency excluded."""
+        return mib * 8 * 2**20 / (self.gbps * 1e9)
+
+
+ONE_NODE = Network()
 
 
 @dataclass(frozen=True)
@@ -128,15 +162,39 @@ class Prediction:
         return not self.infeasible
 
 
-def generate_seconds(c: Candidate, p: Profile, w: Workload) -> float:
+def remote_env_workers(c: Candidate, net: Network) -> int:
+    """Env workers whose rollout worker (env rank ``r`` is served by rollout rank ``r % Dr``)
+    is on another node."""
+    sets = c.device_sets()
+    env, rollout = list(sets["env"]), list(sets["rollout"])
+    return sum(net.node(env[r]) != net.node(rollout[r % len(rollout)]) for r in range(len(env)))
+
+
+def generate_seconds(c: Candidate, p: Profile, w: Workload, net: Network = ONE_NODE) -> float:
     """Time of one iteration's rollout: ``w.steps`` steps of every env (see the module doc)."""
+    env_slice = w.num_envs / c.env_devices
+    served = c.env_devices / c.rollout_devices  # env slices (micro-batches) per rollout worker
+    remote = remote_env_workers(c, net)
+    latency = net.latency_s if remote else 0.0
+    link = net.transfer_s(remote * env_slice * p.message_mib_per_env)  # a step's remote bytes
     if c.stages == 1:
-        per_step = p.env_step(w.num_envs / c.env_devices) + p.infer(w.num_envs / c.rollout_devices) + p.hop_s
-        return w.steps * per_step
-    micro = w.num_envs / (c.env_devices * c.stages)
-    inferences_per_rollout = c.env_devices * c.stages / c.rollout_devices
-    pace = max(c.stages * p.env_step(micro), inferences_per_rollout * p.infer(micro))
-    return w.steps * (pace + p.hop_s) + p.env_step(micro) + p.infer(micro)
+        per_step = (p.env_step(env_slice) + served * p.infer(env_slice) + p.hop_s
+                    + (c.env_devices - 1) * p.message_s + latency + link)
+        return w.steps * per_step + p.rollout_overhead_s
+    micro = env_slice / c.stages
+    pace = max(c.stages * p.env_step(micro), c.stages * served * p.infer(micro), link)
+    messages = c.env_devices * c.stages * p.message_s
+    fill = p.env_step(micro) + p.infer(micro) + p.hop_s + latency
+    return w.steps * (pace + messages) + fill + p.rollout_overhead_s
+
+
+def weight_sync_seconds(c: Candidate, p: Profile, net: Network = ONE_NODE) -> float:
+    """The measured (one-node) sync, plus sending the weights to rollout workers on other nodes."""
+    sets = c.device_sets()
+    actor_node = net.node(sets["actor"][0])
+    if all(net.node(d) == actor_node for d in sets["rollout"]):
+        return p.weight_sync_s
+    return p.weight_sync_s + net.latency_s + net.transfer_s(p.weights_mib)
 
 
 def shares_actor(c: Candidate) -> bool:
@@ -159,10 +217,11 @@ def device_memory(c: Candidate, p: Profile, w: Workload) -> dict[int, float]:
     return peak
 
 
-def predict(c: Candidate, p: Profile, w: Workload) -> Prediction:
-    """Predicted iteration time and memory of plan ``c`` for workload ``w`` under profile ``p``."""
-    switch = p.weight_sync_s + (p.offload_s if c.offload and shares_actor(c) else 0.0)
-    out = Prediction(c, generate_seconds(c, p, w), p.train(w.num_envs * w.steps), switch,
+def predict(c: Candidate, p: Profile, w: Workload, net: Network = ONE_NODE) -> Prediction:
+    """Predicted iteration time and memory of plan ``c`` for workload ``w`` under profile ``p``
+    on a cluster shaped as ``net``."""
+    switch = weight_sync_seconds(c, p, net) + (p.offload_s if c.offload and shares_actor(c) else 0.0)
+    out = Prediction(c, generate_seconds(c, p, w, net), p.train(w.num_envs * w.steps), switch,
                      device_memory(c, p, w))
     full = [d for d, mib in out.memory.items() if mib > p.device_memory]
     if full:

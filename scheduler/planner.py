@@ -17,7 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.cost_model import Candidate, Prediction, Profile, Workload, predict
+from scheduler.cost_model import (
+    ONE_NODE,
+    Candidate,
+    Network,
+    Prediction,
+    Profile,
+    Workload,
+    predict,
+)
 
 DEFAULT_STAGES = (1, 2, 4, 8)
 
@@ -53,9 +61,10 @@ class PlanChoice:
 
 
 def plan(profile: Profile, workload: Workload, devices: int, stages: tuple[int, ...] = DEFAULT_STAGES,
-         offload: bool = True) -> PlanChoice:
-    """The fastest feasible plan on ``devices`` devices, with the table of all candidates."""
-    predictions = [predict(c, profile, workload) for c in candidates(devices, stages, offload)]
+         offload: bool = True, network: Network = ONE_NODE) -> PlanChoice:
+    """The fastest feasible plan on ``devices`` devices (on nodes shaped as ``network``), with
+    the table of all candidates."""
+    predictions = [predict(c, profile, workload, network) for c in candidates(devices, stages, offload)]
     order = sorted(range(len(predictions)),
                    key=lambda i: (not predictions[i].feasible, predictions[i].iteration_s, i))
     table = [predictions[i] for i in order]

@@ -1,14 +1,24 @@
 """Profiler: run each stage on this machine at a few batch sizes, fit cost curves, cache them.
 
-Stages, measured in this process on one device (the first GPU, or one CPU core with one
-torch thread, as a CPU slot's worker runs):
+On the real env and rollout workers (env on one device, rollout and actor on another; all
+on one where there is only one), two short rollouts, taking turns and then pipelined in two
+micro-batches, give:
 
-- ``env_step``: steps of ``n`` envs (the env config's backend, in-process), random actions;
-- ``infer``: the policy's ``act`` on ``n`` observations recorded from the env;
+- ``env_step``: one step (decision) of ``n`` and of ``n / 2`` envs, as the env worker times it;
+- ``hop``, ``message`` and ``rollout_overhead``: what a step and a rollout cost beyond
+  stepping and inferring: a lone message's round trip through the channel, each further
+  message of a step, and starting and collecting the workers' calls. Ray's calls cost CPU
+  time the stages then lack, which an in-process ``ray.put`` / ``ray.get`` misses by a
+  factor of five on a small CPU machine;
+- ``weight_sync``: the actor publishing its weights and the rollout workers loading them;
+- the env worker's memory and a batch of real observations.
+
+In this process, on one device (the first GPU, or one CPU core with one torch thread, as
+a CPU slot's worker runs), on those observations:
+
+- ``infer``: the policy's ``act`` on ``n`` observations;
 - ``train``: one PPO update (the algorithm's epochs and minibatches) over ``n`` samples;
-- ``weight_sync``: writing the policy's weights into a shared-memory buffer;
-- ``offload``: the actor's weights and optimizer state off the device and back;
-- ``hop``: one observation message and one action message through Ray's object store.
+- ``offload``: the actor's weights and optimizer state off the device and back.
 
 Times are medians of ``repeats``; memory is the resident-set (CPU) or allocated-memory
 (GPU) growth while a stage's objects are alive. Each stage's points are fitted with
@@ -28,13 +38,14 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from scheduler.cost_model import Curve, Profile
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 4
 
 
 def hardware() -> dict:
@@ -93,38 +104,12 @@ def _batch(obs: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
     return {k: v[index] for k, v in obs.items()}
 
 
-def measure_env(env_cfg, sizes: list[int], repeats: int, chunk: int = 1) -> tuple[Curve, Curve, dict, int, int]:
-    """``(time, memory)`` curves of one decision of ``n`` envs (``chunk`` simulator steps); also
-    recorded observations, the action dim and the episode length in decisions."""
-    from envs.chunking import ChunkedVecEnv
-    from envs.registry import make_vec_env
-
-    times, memory, obs, action_dim, episode = [], [], None, 0, 0
-    for n in sizes:
-        before = _memory_mib(torch.device("cpu"))
-        # in-process where the backend allows it; process-parallel backends (LIBERO) keep their processes
-        env = make_vec_env(env_cfg, num_envs=n, num_procs=min(n, env_cfg.num_procs) if env_cfg.num_procs else 0)
-        if chunk > 1:
-            env = ChunkedVecEnv(env, chunk)
-        try:
-            obs, _ = env.reset(seed=0)
-            action_dim, episode = env.action_dim, env.max_episode_steps
-            shape = (n, chunk, action_dim) if chunk > 1 else (n, action_dim)
-            actions = torch.rand(shape, generator=torch.Generator().manual_seed(n)) * 2 - 1
-            times.append(_median_seconds(lambda env=env, a=actions: env.step(a), repeats))
-            memory.append(_memory_mib(torch.device("cpu")) - before)
-        finally:
-            env.close()
-    return Curve.fit(sizes, times), Curve.fit(sizes, memory), obs, action_dim, episode
-
-
 def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_sizes: list[int], repeats: int,
                    device: torch.device) -> dict:
-    """Inference, training, weight sync and offload costs of ``cfg.policy`` under ``cfg.algorithm``."""
+    """Inference, training and offload costs of ``cfg.policy`` under ``cfg.algorithm``."""
     from embodied.algorithms.ppo import ppo_update
     from policies.registry import make_policy
     from scheduler.offload import DeviceState
-    from scheduler.weight_sync import SharedWeights, plan_layout
 
     obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in obs.items()}
     torch.manual_seed(0)
@@ -144,17 +129,13 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
         before = _memory_mib(device)
         train_t.append(_median_seconds(lambda b=batch: ppo_update(policy, optimizer, b, cfg.algorithm), 1))
         train_m.append(3 * weights_mib + max(_memory_mib(device) - before, 0.0))  # weights, grads, Adam moments
-    state = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
-    shared = SharedWeights(plan_layout(state))
-    try:
-        sync_s = _median_seconds(lambda: shared.write(state), repeats)
-    finally:
-        shared.unlink()
     switch = DeviceState(policy, optimizer)
     offload_s = _median_seconds(lambda: (switch.offload(), switch.onload()), repeats)
-    return {"infer": Curve.fit(sizes, infer_t), "rollout_memory": Curve.fit(sizes, infer_m),
+    state_mib = sum(v.nbytes for v in policy.state_dict().values()) / 2**20
+    return {"weights_mib": state_mib,
+            "infer": Curve.fit(sizes, infer_t), "rollout_memory": Curve.fit(sizes, infer_m),
             "train": Curve.fit(train_sizes, train_t), "actor_memory": Curve.fit(train_sizes, train_m),
-            "weight_sync_s": sync_s, "offload_s": offload_s}
+            "offload_s": offload_s}
 
 
 def _train_batch(policy, obs: dict) -> dict:
@@ -167,30 +148,92 @@ def _train_batch(policy, obs: dict) -> dict:
             "next_value": torch.zeros(n)}
 
 
-def measure_hop(obs: dict, repeats: int) -> float:
-    """One observation batch and one action batch through Ray's object store (put + get)."""
-    import ray
+@dataclass
+class _Probe:
+    """What short rollouts on the real workers measured (see the module doc)."""
 
-    actions = torch.zeros(next(iter(obs.values())).shape[0], 8)
-    return _median_seconds(lambda: (ray.get(ray.put(obs)), ray.get(ray.put(actions))), repeats)
+    rollout: Curve  # a rollout's seconds against its steps
+    env_step_s: float  # one step of one micro-batch, timed by the env worker
+    weight_sync_s: float
+    obs: dict  # real observations of one micro-batch
+    action_dim: int
+    episode_steps: int  # in decisions
+    env_memory_mib: float  # the env worker's resident memory
 
 
-def measure(cfg, sizes: list[int], devices: int, repeats: int = 5) -> Profile:
+PROBE_STEPS = (2, 8)
+
+
+def _probe_rollout(cfg, devices: int, stages: int, repeats: int = 3) -> _Probe:
+    """Rollouts of ``PROBE_STEPS`` steps on real workers: env on device 0, rollout and actor on
+    device 1 (all on device 0 with one device), ``stages`` micro-batches. Medians throughout:
+    a busy moment of Ray's own processes can slow one rollout on a small machine by half."""
+    from embodied.runner import Workers
+    from scheduler.auto import to_placement
+    from scheduler.cost_model import Candidate
+
+    plan = Candidate("hybrid", 1, 1, 1, stages) if devices >= 2 else Candidate("colocated", 1, 1, 1)
+    # the probe only rolls out: GRPO's rule that a rollout holds whole episodes does not apply
+    algorithm = dataclasses.replace(cfg.algorithm, rollout_steps=max(PROBE_STEPS), advantage="gae")
+    workers = Workers(dataclasses.replace(cfg, placement=to_placement(plan, cfg.placement), algorithm=algorithm))
+    try:
+        workers.env.call("reset", seed=cfg.runner.seed)
+        workers.rollout_steps(min(PROBE_STEPS))  # one-time costs
+        sync_s, env_s, rollout_s = [], [], {n: [] for n in PROBE_STEPS}
+        for _ in range(repeats):
+            for n in PROBE_STEPS:
+                started = time.perf_counter()
+                workers.prepare_generation(force_sync=True)
+                sync_s.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                _, _, times = workers.rollout_steps(n)
+                rollout_s[n].append(time.perf_counter() - started)
+                env_s.append(times["env_step_s"] / (n * stages))
+        return _Probe(Curve.fit(list(PROBE_STEPS), [statistics.median(t) for t in rollout_s.values()]),
+                      statistics.median(env_s), statistics.median(sync_s), workers.env.call("observations")[0],
+                      workers.action_dim, workers.max_episode_steps, workers.env.call("memory_mib")[0])
+    finally:
+        workers.shutdown()
+
+
+def channel_costs(lockstep: _Probe, piped: _Probe | None, infer: Curve, num_envs: int) -> dict:
+    """``hop_s``, ``message_s`` and ``rollout_overhead_s`` solved from the cost model's formulas
+    for one env worker taking turns (``lockstep``) and pipelined in two (``piped``)."""
+    hop = max(lockstep.rollout.per_item - lockstep.env_step_s - infer(num_envs), 0.0)
+    out = {"hop_s": hop, "rollout_overhead_s": lockstep.rollout.fixed}
+    if piped is None:  # no second micro-batch was measured: assume half a hop
+        return {**out, "message_s": hop / 2}
+    pace = 2 * max(piped.env_step_s, infer(num_envs / 2))
+    return {**out, "message_s": max(piped.rollout.per_item - pace, 0.0) / 2}
+
+
+def measure(cfg, sizes: list[int], devices: int, repeats: int = 5, log=print) -> Profile:
     """Profile every stage of ``cfg`` on this machine (see the module doc)."""
+    started = time.perf_counter()
+    n = cfg.env.num_envs
+    lockstep = _probe_rollout(cfg, devices, 1)
+    piped = _probe_rollout(cfg, devices, 2) if devices >= 2 and n % 2 == 0 else None
+    workers_s = time.perf_counter() - started
+    env_sizes, env_times = ([n, n // 2], [lockstep.env_step_s, piped.env_step_s]) if piped else ([n], [lockstep.env_step_s])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
-        env_time, env_memory, obs, action_dim, episode = measure_env(cfg.env, sizes, repeats, cfg.policy.chunk_size)
-        steps = cfg.algorithm.rollout_steps or episode
-        policy = measure_policy(cfg, obs, action_dim, sizes, [n * steps for n in sizes[:2]], repeats, device)
-        hop = measure_hop(_batch(obs, max(sizes)), repeats)
+        steps = cfg.algorithm.rollout_steps or lockstep.episode_steps
+        policy = measure_policy(cfg, lockstep.obs, lockstep.action_dim, sizes, [k * steps for k in sizes[:2]],
+                                repeats, device)
     finally:
         torch.set_num_threads(threads)
         gc.collect()
-    return Profile(env_step=env_time, env_memory=env_memory, hop_s=hop, episode_steps=episode,
+    log(f"profile: rollouts on the workers {workers_s:.0f} s, policy in-process "
+        f"{time.perf_counter() - started - workers_s:.0f} s")
+    message = sum(v[0].nbytes for v in lockstep.obs.values()) + 4 * lockstep.action_dim * cfg.policy.chunk_size
+    return Profile(env_step=Curve.fit(env_sizes, env_times),
+                   env_memory=Curve(0.0, lockstep.env_memory_mib / n), weight_sync_s=lockstep.weight_sync_s,
+                   episode_steps=lockstep.episode_steps, message_mib_per_env=message / 2**20,  # float32 actions
                    device_kind="gpu" if device.type == "cuda" else "cpu",
-                   device_memory=_device_memory_mib(device, devices), **policy)
+                   device_memory=_device_memory_mib(device, devices),
+                   **channel_costs(lockstep, piped, policy["infer"], n), **policy)
 
 
 def save(profile: Profile, path: Path) -> Path:
@@ -214,7 +257,7 @@ def cached_profile(cfg, sizes: list[int], devices: int, profile_dir: Path, log=p
     if path.exists():
         return load(path), path, False
     started = time.perf_counter()
-    profile = measure(cfg, sizes, devices)
+    profile = measure(cfg, sizes, devices, log=log)
     save(profile, path)
     log(f"profiled stages at batch sizes {sizes} in {time.perf_counter() - started:.1f} s -> {path}")
     return profile, path, True

@@ -2,7 +2,16 @@
 
 import pytest
 
-from scheduler.cost_model import Candidate, Curve, Profile, Workload, generate_seconds, predict
+from scheduler.cost_model import (
+    Candidate,
+    Curve,
+    Network,
+    Profile,
+    Workload,
+    generate_seconds,
+    predict,
+    remote_env_workers,
+)
 from scheduler.planner import candidates, plan
 
 WORK = Workload(num_envs=64, steps=50)
@@ -23,11 +32,16 @@ def test_cost_curves_fit_lines_and_clamp_at_zero():
 
 
 def test_generation_time_matches_a_hand_computation():
-    p, w = _profile(hop_s=0.0), Workload(num_envs=8, steps=10)
-    serial = Candidate("colocated", 1, 1, 1)
-    assert generate_seconds(serial, p, w) == pytest.approx(10 * (0.002 + 0.008 + 0.004 + 0.004))
+    p, w = _profile(hop_s=0.003, message_s=0.002), Workload(num_envs=8, steps=10)
+    serial = Candidate("colocated", 1, 1, 1)  # env(8) = 0.010, infer(8) = 0.008, one message
+    assert generate_seconds(serial, p, w) == pytest.approx(10 * (0.010 + 0.008 + 0.003))
+    two = Candidate("colocated", 2, 2, 2)  # slices of 4: env 0.006, infer 0.006, a second message
+    assert generate_seconds(two, p, w) == pytest.approx(10 * (0.006 + 0.006 + 0.003 + 0.002))
     piped = Candidate("hybrid", 1, 1, 2, stages=2)  # 2 micro-batches of 4: env 0.006 each, infer 0.006 each
-    assert generate_seconds(piped, p, w) == pytest.approx(10 * max(2 * 0.006, 2 * 0.006) + 0.006 + 0.006)
+    assert generate_seconds(piped, p, w) == pytest.approx(10 * (max(2 * 0.006, 2 * 0.006) + 2 * 0.002)
+                                                          + 0.006 + 0.006 + 0.003)
+    fan_in = Candidate("disaggregated", 2, 1, 1)  # one rollout worker infers both slices of 4, in turn
+    assert generate_seconds(fan_in, p, w) == pytest.approx(10 * (0.006 + 2 * 0.006 + 0.003 + 0.002))
 
 
 def test_linear_stages_without_switch_costs_favour_colocation():
@@ -60,6 +74,38 @@ def test_a_pipeline_beats_turn_taking_on_the_same_split():
     best_split = min((x for x in plan(p, WORK, devices=3).table if x.candidate.mode == "disaggregated"),
                      key=lambda x: x.iteration_s)
     assert best_split.candidate.stages > 1
+
+
+def test_messages_and_weights_that_cross_nodes_pay_the_link():
+    """4 devices on 2 nodes: a split with env on node 0 and rollout on node 1 sends every
+    message over the link; colocated sends none, but its weight sync reaches node 1."""
+    p = _profile(message_mib_per_env=0.5, weights_mib=800.0)
+    net = Network(devices_per_node=2, gbps=10.0, latency_s=1e-4)
+    split = Candidate("hybrid", 2, 2, 2)  # env 0-1 (node 0), rollout and actor 2-3 (node 1)
+    assert remote_env_workers(split, net) == 2
+    per_step_link = 1e-4 + net.transfer_s(2 * 32 * 0.5)  # both slices of 32 envs, every step
+    assert predict(split, p, WORK, net).generate_s == pytest.approx(
+        predict(split, p, WORK).generate_s + WORK.steps * per_step_link)
+    assert predict(split, p, WORK, net).switch_s == predict(split, p, WORK).switch_s  # actor beside rollout
+    together = Candidate("colocated", 4, 4, 4)
+    assert remote_env_workers(together, net) == 0
+    assert predict(together, p, WORK, net).generate_s == predict(together, p, WORK).generate_s
+    assert predict(together, p, WORK, net).switch_s == pytest.approx(
+        predict(together, p, WORK).switch_s + 1e-4 + net.transfer_s(800.0))
+
+
+def test_a_slow_link_moves_the_best_plan_off_it():
+    """Memory forces env, rollout and actor onto devices of their own. On one node the best
+    split gives env two devices; on two nodes of 2 over a slow link that split's env workers
+    talk across it, and the planner keeps every message on its node instead, and pays for it."""
+    p = _profile(env_memory=Curve(40_000, 0), rollout_memory=Curve(35_000, 0), actor_memory=Curve(50_000, 0),
+                 offload_s=30.0, message_mib_per_env=4.0)
+    net = Network(devices_per_node=2, gbps=1.0)
+    one_node = plan(p, WORK, devices=4)
+    assert remote_env_workers(one_node.best.candidate, net) > 0
+    two_nodes = plan(p, WORK, devices=4, network=net)
+    assert remote_env_workers(two_nodes.best.candidate, net) == 0
+    assert two_nodes.best.iteration_s > one_node.best.iteration_s
 
 
 def test_no_plan_when_nothing_fits():
@@ -119,5 +165,8 @@ def test_a_saved_profile_answers_what_if_questions_offline(tmp_path):
     result = json.loads(proc.stdout)
     assert result["devices"] == 8 and result["best"] == result["candidates"][0]["plan"]
     assert len(result["candidates"]) == len(candidates(8))
+    proc = run_cli("plan", "env.num_envs=64", "--devices", "16", "--devices-per-node", "8", "--profile", str(path),
+                   "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["nodes"] == 2
     proc = run_cli("plan", "--profile", str(tmp_path / "missing.json"))
     assert proc.returncode == 2 and "no such file" in proc.stderr

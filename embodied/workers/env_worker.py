@@ -43,6 +43,16 @@ class EnvWorker(Worker):
         return {"obs_spec": env.obs_spec, "action_dim": env.action_dim,
                 "max_episode_steps": env.max_episode_steps}
 
+    def observations(self) -> dict[str, torch.Tensor]:
+        """The first micro-batch's current observations (the profiler times the policy on them)."""
+        return self.obs[0]
+
+    def memory_mib(self) -> float:
+        """This worker's resident memory: its simulator's, as the profiler records it."""
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+
     def _reset(self, seeds: list[int], ignore_terminations: bool) -> None:
         for s, env in enumerate(self.envs):
             env.set_ignore_terminations(ignore_terminations)
