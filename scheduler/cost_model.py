@@ -8,11 +8,14 @@ worker's slice is cut into. :func:`predict` combines them as the runner executes
 
 - messages: every micro-batch an env worker steps is one message through the channel and
   back (observations out, actions in). ``hop_s`` is the round trip of a lone message,
-  ``message_s`` the cost of each further message of a step; both are measured on the real
-  workers, since Ray calls cost CPU time that a core also needs for stepping and inferring;
+  ``message_s`` the cost of each further message of a step, ``shared_message_s`` the same
+  when env and rollout workers share every device (colocated: no device is free to absorb
+  Ray's work); all are measured on the real workers, since Ray calls cost CPU time that a
+  core also needs for stepping and inferring;
 - generation, ``S = 1`` (env and rollout take turns): per step, the ``De`` env workers step
   their slices in parallel, then each rollout worker infers the ``De / Dr`` slices it serves:
-  ``T * (env(N / De) + (De / Dr) * infer(N / De) + hop + (De - 1) * message)``;
+  ``T * (env(N / De) + (De / Dr) * infer(N / De) + hop + (De - 1) * message)`` (colocated:
+  ``shared_message``);
 - generation, ``S > 1`` (pipelined): per step each env worker steps ``S`` micro-batches of
   ``m = N / (De * S)`` envs while the rollout workers infer on the others; the slower side
   sets the pace, the ``De * S`` messages add their cost, and one micro-batch of each fills
@@ -73,6 +76,7 @@ class Profile:
     train: Curve  # one PPO update (all epochs) over n samples
     hop_s: float = 0.0  # a lone message's env -> rollout -> env round trip through the channel
     message_s: float = 0.0  # each further message of a step (pipelined micro-batches, more env workers)
+    shared_message_s: float = 0.0  # the same where env and rollout workers share every device (colocated)
     rollout_overhead_s: float = 0.0  # starting and collecting a rollout's worker calls, once per iteration
     weight_sync_s: float = 0.0
     offload_s: float = 0.0  # the actor's offload + onload, once each
@@ -178,8 +182,9 @@ def generate_seconds(c: Candidate, p: Profile, w: Workload, net: Network = ONE_N
     latency = net.latency_s if remote else 0.0
     link = net.transfer_s(remote * env_slice * p.message_mib_per_env)  # a step's remote bytes
     if c.stages == 1:
+        further = p.shared_message_s if c.mode == "colocated" else p.message_s
         per_step = (p.env_step(env_slice) + served * p.infer(env_slice) + p.hop_s
-                    + (c.env_devices - 1) * p.message_s + latency + link)
+                    + (c.env_devices - 1) * further + latency + link)
         return w.steps * per_step + p.rollout_overhead_s
     micro = env_slice / c.stages
     pace = max(c.stages * p.env_step(micro), c.stages * served * p.infer(micro), link)

@@ -1,15 +1,17 @@
 """Profiler: run each stage on this machine at a few batch sizes, fit cost curves, cache them.
 
-On the real env and rollout workers (env on one device, rollout and actor on another; all
-on one where there is only one), two short rollouts, taking turns and then pipelined in two
-micro-batches, give:
+On the real env and rollout workers, three short rollouts: taking turns with env on one
+device and rollout and actor on another (all on one where there is only one), then
+pipelined in two micro-batches, then colocated on two devices (two env and two rollout
+workers, every device busy). They give:
 
 - ``env_step``: one step (decision) of ``n`` and of ``n / 2`` envs, as the env worker times it;
-- ``hop``, ``message`` and ``rollout_overhead``: what a step and a rollout cost beyond
-  stepping and inferring: a lone message's round trip through the channel, each further
-  message of a step, and starting and collecting the workers' calls. Ray's calls cost CPU
-  time the stages then lack, which an in-process ``ray.put`` / ``ray.get`` misses by a
-  factor of five on a small CPU machine;
+- ``hop``, ``message``, ``shared_message`` and ``rollout_overhead``: what a step and a
+  rollout cost beyond stepping and inferring: a lone message's round trip through the
+  channel, each further message of a step (with a device free to absorb Ray's work, and
+  with none), and starting and collecting the workers' calls. Ray's calls cost CPU time
+  the stages then lack, which an in-process ``ray.put`` / ``ray.get`` misses by a factor
+  of five on a small CPU machine;
 - ``weight_sync``: the actor publishing its weights and the rollout workers loading them;
 - the env worker's memory and a batch of real observations.
 
@@ -43,9 +45,9 @@ from pathlib import Path
 
 import torch
 
-from scheduler.cost_model import Curve, Profile
+from scheduler.cost_model import Candidate, Curve, Profile
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 
 
 def hardware() -> dict:
@@ -164,15 +166,12 @@ class _Probe:
 PROBE_STEPS = (2, 8)
 
 
-def _probe_rollout(cfg, devices: int, stages: int, repeats: int = 3) -> _Probe:
-    """Rollouts of ``PROBE_STEPS`` steps on real workers: env on device 0, rollout and actor on
-    device 1 (all on device 0 with one device), ``stages`` micro-batches. Medians throughout:
+def _probe_rollout(cfg, plan: Candidate, repeats: int = 3) -> _Probe:
+    """Rollouts of ``PROBE_STEPS`` steps on real workers placed as ``plan``. Medians throughout:
     a busy moment of Ray's own processes can slow one rollout on a small machine by half."""
     from embodied.runner import Workers
     from scheduler.auto import to_placement
-    from scheduler.cost_model import Candidate
 
-    plan = Candidate("hybrid", 1, 1, 1, stages) if devices >= 2 else Candidate("colocated", 1, 1, 1)
     # the probe only rolls out: GRPO's rule that a rollout holds whole episodes does not apply
     algorithm = dataclasses.replace(cfg.algorithm, rollout_steps=max(PROBE_STEPS), advantage="gae")
     workers = Workers(dataclasses.replace(cfg, placement=to_placement(plan, cfg.placement), algorithm=algorithm))
@@ -188,7 +187,7 @@ def _probe_rollout(cfg, devices: int, stages: int, repeats: int = 3) -> _Probe:
                 started = time.perf_counter()
                 _, _, times = workers.rollout_steps(n)
                 rollout_s[n].append(time.perf_counter() - started)
-                env_s.append(times["env_step_s"] / (n * stages))
+                env_s.append(times["env_step_s"] / (n * plan.stages))
         return _Probe(Curve.fit(list(PROBE_STEPS), [statistics.median(t) for t in rollout_s.values()]),
                       statistics.median(env_s), statistics.median(sync_s), workers.env.call("observations")[0],
                       workers.action_dim, workers.max_episode_steps, workers.env.call("memory_mib")[0])
@@ -196,25 +195,33 @@ def _probe_rollout(cfg, devices: int, stages: int, repeats: int = 3) -> _Probe:
         workers.shutdown()
 
 
-def channel_costs(lockstep: _Probe, piped: _Probe | None, infer: Curve, num_envs: int) -> dict:
-    """``hop_s``, ``message_s`` and ``rollout_overhead_s`` solved from the cost model's formulas
-    for one env worker taking turns (``lockstep``) and pipelined in two (``piped``)."""
-    hop = max(lockstep.rollout.per_item - lockstep.env_step_s - infer(num_envs), 0.0)
+def channel_costs(lockstep: _Probe, piped: _Probe | None, shared: _Probe | None, env_step: Curve, infer: Curve,
+                  num_envs: int) -> dict:
+    """``hop_s``, ``message_s``, ``shared_message_s`` and ``rollout_overhead_s`` solved from the
+    cost model's formulas for one env worker taking turns (``lockstep``), pipelined in two
+    (``piped``), and two env workers colocated with two rollout workers (``shared``)."""
+    hop = max(lockstep.rollout.per_item - env_step(num_envs) - infer(num_envs), 0.0)
     out = {"hop_s": hop, "rollout_overhead_s": lockstep.rollout.fixed}
-    if piped is None:  # no second micro-batch was measured: assume half a hop
-        return {**out, "message_s": hop / 2}
-    pace = 2 * max(piped.env_step_s, infer(num_envs / 2))
-    return {**out, "message_s": max(piped.rollout.per_item - pace, 0.0) / 2}
+    # what was not measured (one device, or envs that do not halve): assume half a hop
+    message = hop / 2
+    if piped is not None:
+        message = max(piped.rollout.per_item - 2 * max(env_step(num_envs / 2), infer(num_envs / 2)), 0.0) / 2
+    shared_message = message
+    if shared is not None:
+        shared_message = max(shared.rollout.per_item - env_step(num_envs / 2) - infer(num_envs / 2) - hop, 0.0)
+    return {**out, "message_s": message, "shared_message_s": shared_message}
 
 
 def measure(cfg, sizes: list[int], devices: int, repeats: int = 5, log=print) -> Profile:
     """Profile every stage of ``cfg`` on this machine (see the module doc)."""
     started = time.perf_counter()
     n = cfg.env.num_envs
-    lockstep = _probe_rollout(cfg, devices, 1)
-    piped = _probe_rollout(cfg, devices, 2) if devices >= 2 and n % 2 == 0 else None
+    split, halves = devices >= 2, n % 2 == 0
+    lockstep = _probe_rollout(cfg, Candidate("hybrid", 1, 1, 1) if split else Candidate("colocated", 1, 1, 1))
+    piped = _probe_rollout(cfg, Candidate("hybrid", 1, 1, 1, 2)) if split and halves else None
+    shared = _probe_rollout(cfg, Candidate("colocated", 2, 2, 2)) if split and halves else None
     workers_s = time.perf_counter() - started
-    env_sizes, env_times = ([n, n // 2], [lockstep.env_step_s, piped.env_step_s]) if piped else ([n], [lockstep.env_step_s])
+    env_points = {n: lockstep.env_step_s} | ({n // 2: piped.env_step_s} if piped else {})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if device.type == "cpu" else threads)
@@ -228,12 +235,13 @@ def measure(cfg, sizes: list[int], devices: int, repeats: int = 5, log=print) ->
     log(f"profile: rollouts on the workers {workers_s:.0f} s, policy in-process "
         f"{time.perf_counter() - started - workers_s:.0f} s")
     message = sum(v[0].nbytes for v in lockstep.obs.values()) + 4 * lockstep.action_dim * cfg.policy.chunk_size
-    return Profile(env_step=Curve.fit(env_sizes, env_times),
+    env_step = Curve.fit(list(env_points), list(env_points.values()))
+    return Profile(env_step=env_step,
                    env_memory=Curve(0.0, lockstep.env_memory_mib / n), weight_sync_s=lockstep.weight_sync_s,
                    episode_steps=lockstep.episode_steps, message_mib_per_env=message / 2**20,  # float32 actions
                    device_kind="gpu" if device.type == "cuda" else "cpu",
                    device_memory=_device_memory_mib(device, devices),
-                   **channel_costs(lockstep, piped, policy["infer"], n), **policy)
+                   **channel_costs(lockstep, piped, shared, env_step, policy["infer"], n), **policy)
 
 
 def save(profile: Profile, path: Path) -> Path:

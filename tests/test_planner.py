@@ -32,11 +32,11 @@ def test_cost_curves_fit_lines_and_clamp_at_zero():
 
 
 def test_generation_time_matches_a_hand_computation():
-    p, w = _profile(hop_s=0.003, message_s=0.002), Workload(num_envs=8, steps=10)
+    p, w = _profile(hop_s=0.003, message_s=0.002, shared_message_s=0.005), Workload(num_envs=8, steps=10)
     serial = Candidate("colocated", 1, 1, 1)  # env(8) = 0.010, infer(8) = 0.008, one message
     assert generate_seconds(serial, p, w) == pytest.approx(10 * (0.010 + 0.008 + 0.003))
-    two = Candidate("colocated", 2, 2, 2)  # slices of 4: env 0.006, infer 0.006, a second message
-    assert generate_seconds(two, p, w) == pytest.approx(10 * (0.006 + 0.006 + 0.003 + 0.002))
+    two = Candidate("colocated", 2, 2, 2)  # slices of 4: env 0.006, infer 0.006, a second message on busy devices
+    assert generate_seconds(two, p, w) == pytest.approx(10 * (0.006 + 0.006 + 0.003 + 0.005))
     piped = Candidate("hybrid", 1, 1, 2, stages=2)  # 2 micro-batches of 4: env 0.006 each, infer 0.006 each
     assert generate_seconds(piped, p, w) == pytest.approx(10 * (max(2 * 0.006, 2 * 0.006) + 2 * 0.002)
                                                           + 0.006 + 0.006 + 0.003)
@@ -151,7 +151,7 @@ def test_every_candidate_is_a_placement_the_runner_accepts(devices):
             name: list(r) for name, r in c.device_sets().items()}
 
 
-def test_a_saved_profile_answers_what_if_questions_offline(tmp_path):
+def test_a_saved_profile_answers_what_if_questions_offline(tmp_path, capsys):
     """`embodied plan --profile P --devices N`: no cluster, no measuring; the table and the overrides."""
     from scheduler.profiler import load, save
     from tests.conftest import run_cli
@@ -165,8 +165,9 @@ def test_a_saved_profile_answers_what_if_questions_offline(tmp_path):
     result = json.loads(proc.stdout)
     assert result["devices"] == 8 and result["best"] == result["candidates"][0]["plan"]
     assert len(result["candidates"]) == len(candidates(8))
-    proc = run_cli("plan", "env.num_envs=64", "--devices", "16", "--devices-per-node", "8", "--profile", str(path),
-                   "--json")
-    assert proc.returncode == 0 and json.loads(proc.stdout)["nodes"] == 2
+    from embodied.cli import cmd_plan
+
+    assert cmd_plan(["env.num_envs=64"], 16, str(path), True, devices_per_node=8) == 0
+    assert json.loads(capsys.readouterr().out)["nodes"] == 2
     proc = run_cli("plan", "--profile", str(tmp_path / "missing.json"))
     assert proc.returncode == 2 and "no such file" in proc.stderr

@@ -53,14 +53,18 @@ def test_training_changes_parameters_and_checkpoint_reloads_to_identical_actions
 
 
 def test_cli_train_then_eval_and_record(tmp_path):
-    run_dir = tmp_path / "run"
+    """Training with ``placement.mode=auto`` (profile, plan, run the plan), then eval and
+    record from its checkpoint."""
+    run_dir, profiles = tmp_path / "run", tmp_path / "profiles"
     proc = run_cli("train", *SMALL, "runner.total_env_steps=80", "eval.episodes=4",
-                   "eval.video_episodes=1", "env.render_size=64", f"runner.run_dir={run_dir}")
+                   "eval.video_episodes=1", "env.render_size=64", f"runner.run_dir={run_dir}",
+                   "placement.mode=auto", f"placement.profile_dir={profiles}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(run_dir.resolve())
     result = json.loads((run_dir / "eval.json").read_text())
     for key in ("success_once", "success_at_end", "return_mean", "episodes"):
         assert key in result
+    _check_auto_placement(result["auto_placement"], run_dir)
     assert list(run_dir.glob("tb/events.out.tfevents.*"))
     assert len(list((run_dir / "videos").glob("*.mp4"))) == 1
     assert "success_once" in (run_dir / "eval.md").read_text()
@@ -86,6 +90,28 @@ def test_cli_train_then_eval_and_record(tmp_path):
     frames = imageio.mimread(video)
     assert len(frames) == 50 and frames[0].shape == (64, 64, 3)
     assert frames[10].std() > 5
+
+
+def _check_auto_placement(report: dict, run_dir: Path) -> None:
+    """The run profiled every stage, ran the plan it reports, and predicted its iteration time."""
+    from embodied.config import compose, load_yaml
+    from scheduler.auto import profile_sizes
+    from scheduler.profiler import cached_profile, load
+
+    assert report["profiled_now"] and 0 < report["profile_seconds"] < 120 and 0 < report["profile_share"] < 1
+    placement = load_yaml(run_dir / "config.yaml").placement  # what ran: the plan, not "auto"
+    assert report["plan"].startswith(f"{placement.mode} env={placement.env_workers} ")
+    assert report["plan"].endswith(f"stages={placement.pipeline_stages}")
+    profile = load(report["profile"])  # every stage measured here, the channel on the real workers
+    assert profile.env_step(4) > 0 and profile.infer(4) > 0 and profile.train(40) > 0
+    assert profile.hop_s > 0 and profile.weight_sync_s > 0 and profile.weights_mib > 0
+    assert profile.message_mib_per_env > 0 and profile.episode_steps == 50
+    # loose: benchmarks/plan_accuracy.py holds the model to 15%
+    assert 0.5 < report["measured_over_predicted"] < 2.0
+    # the same config on the same machine reads the cache instead of measuring again
+    cfg = compose([*SMALL, "placement.mode=auto", f"placement.profile_dir={Path(report['profile']).parent}"])
+    _, path, measured_now = cached_profile(cfg, profile_sizes(4), 2, Path(cfg.placement.profile_dir), log=print)
+    assert not measured_now and str(path) == report["profile"]
 
 
 def test_sigkill_mid_run_resumes_from_last_checkpoint(tmp_path):
