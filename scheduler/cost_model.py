@@ -21,7 +21,6 @@ worker's slice is cut into. :func:`predict` combines them as the runner executes
   sets the pace, the ``De * S`` messages add their cost, and one micro-batch of each fills
   and drains the pipe:
   ``T * (max(S * env(m), (De * S / Dr) * infer(m)) + De * S * message) + env(m) + infer(m) + hop``;
-- both add ``rollout_overhead``: starting the workers' rollout calls and collecting them;
 - training: the PPO update over ``N * T`` samples on the actor's device;
 - several nodes (:class:`Network`): a message between an env worker and the rollout worker
   serving it on another node also crosses the link (latency, then its bytes at the link's
@@ -77,7 +76,6 @@ class Profile:
     hop_s: float = 0.0  # a lone message's env -> rollout -> env round trip through the channel
     message_s: float = 0.0  # each further message of a step (pipelined micro-batches, more env workers)
     shared_message_s: float = 0.0  # the same where env and rollout workers share every device (colocated)
-    rollout_overhead_s: float = 0.0  # starting and collecting a rollout's worker calls, once per iteration
     weight_sync_s: float = 0.0
     offload_s: float = 0.0  # the actor's offload + onload, once each
     env_memory: Curve = Curve(0.0, 0.0)  # n envs
@@ -185,12 +183,12 @@ def generate_seconds(c: Candidate, p: Profile, w: Workload, net: Network = ONE_N
         further = p.shared_message_s if c.mode == "colocated" else p.message_s
         per_step = (p.env_step(env_slice) + served * p.infer(env_slice) + p.hop_s
                     + (c.env_devices - 1) * further + latency + link)
-        return w.steps * per_step + p.rollout_overhead_s
+        return w.steps * per_step
     micro = env_slice / c.stages
     pace = max(c.stages * p.env_step(micro), c.stages * served * p.infer(micro), link)
     messages = c.env_devices * c.stages * p.message_s
     fill = p.env_step(micro) + p.infer(micro) + p.hop_s + latency
-    return w.steps * (pace + messages) + fill + p.rollout_overhead_s
+    return w.steps * (pace + messages) + fill
 
 
 def weight_sync_seconds(c: Candidate, p: Profile, net: Network = ONE_NODE) -> float:

@@ -6,12 +6,12 @@ pipelined in two micro-batches, then colocated on two devices (two env and two r
 workers, every device busy). They give:
 
 - ``env_step``: one step (decision) of ``n`` and of ``n / 2`` envs, as the env worker times it;
-- ``hop``, ``message``, ``shared_message`` and ``rollout_overhead``: what a step and a
-  rollout cost beyond stepping and inferring: a lone message's round trip through the
-  channel, each further message of a step (with a device free to absorb Ray's work, and
-  with none), and starting and collecting the workers' calls. Ray's calls cost CPU time
-  the stages then lack, which an in-process ``ray.put`` / ``ray.get`` misses by a factor
-  of five on a small CPU machine;
+- ``hop``, ``message`` and ``shared_message``: what a step costs beyond stepping and
+  inferring: a lone message's round trip through the channel, and each further message of
+  a step (with a device free to absorb Ray's work, and with none), with the rollout's start
+  and collection spread over its steps. Ray's calls cost CPU time the stages then lack,
+  which an in-process ``ray.put`` / ``ray.get`` misses by a factor of five on a small CPU
+  machine;
 - ``weight_sync``: the actor publishing its weights and the rollout workers loading them;
 - the env worker's memory and a batch of real observations.
 
@@ -47,7 +47,7 @@ import torch
 
 from scheduler.cost_model import Candidate, Curve, Profile
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 8
 
 
 def hardware() -> dict:
@@ -154,7 +154,8 @@ def _train_batch(policy, obs: dict) -> dict:
 class _Probe:
     """What short rollouts on the real workers measured (see the module doc)."""
 
-    rollout: Curve  # a rollout's seconds against its steps
+    step_s: float  # a rollout's seconds per step (its start and collection included)
+    steps: int  # in each measured rollout
     env_step_s: float  # one step of one micro-batch, timed by the env worker
     weight_sync_s: float
     obs: dict  # real observations of one micro-batch
@@ -163,12 +164,16 @@ class _Probe:
     env_memory_mib: float  # the env worker's resident memory
 
 
-PROBE_STEPS = (2, 8)
+PROBE_SECONDS = 2.0  # a probe rollout lasts about this long: enough steps for a stable median ...
+PROBE_STEPS = (8, 16)  # ... within these bounds
 
 
 def _probe_rollout(cfg, plan: Candidate, repeats: int = 3) -> _Probe:
-    """Rollouts of ``PROBE_STEPS`` steps on real workers placed as ``plan``. Medians throughout:
-    a busy moment of Ray's own processes can slow one rollout on a small machine by half."""
+    """Rollouts on real workers placed as ``plan``; the median one's seconds per step. Slow
+    steps (images, large policies) get fewer steps, within ``PROBE_STEPS``. A whole rollout
+    per measurement (not a line through short and long ones, whose difference doubles the
+    noise), and the median: a busy moment of Ray's own processes can slow one rollout on a
+    small machine by half."""
     from embodied.runner import Workers
     from scheduler.auto import to_placement
 
@@ -177,39 +182,41 @@ def _probe_rollout(cfg, plan: Candidate, repeats: int = 3) -> _Probe:
     workers = Workers(dataclasses.replace(cfg, placement=to_placement(plan, cfg.placement), algorithm=algorithm))
     try:
         workers.env.call("reset", seed=cfg.runner.seed)
-        workers.rollout_steps(min(PROBE_STEPS))  # one-time costs
-        sync_s, env_s, rollout_s = [], [], {n: [] for n in PROBE_STEPS}
+        started = time.perf_counter()
+        workers.rollout_steps(4)  # pays one-time costs, and says how long a step takes
+        steps = min(max(round(PROBE_SECONDS * 4 / (time.perf_counter() - started)), PROBE_STEPS[0]), PROBE_STEPS[1])
+        sync_s, env_s, step_s = [], [], []
         for _ in range(repeats):
-            for n in PROBE_STEPS:
-                started = time.perf_counter()
-                workers.prepare_generation(force_sync=True)
-                sync_s.append(time.perf_counter() - started)
-                started = time.perf_counter()
-                _, _, times = workers.rollout_steps(n)
-                rollout_s[n].append(time.perf_counter() - started)
-                env_s.append(times["env_step_s"] / (n * plan.stages))
-        return _Probe(Curve.fit(list(PROBE_STEPS), [statistics.median(t) for t in rollout_s.values()]),
-                      statistics.median(env_s), statistics.median(sync_s), workers.env.call("observations")[0],
-                      workers.action_dim, workers.max_episode_steps, workers.env.call("memory_mib")[0])
+            started = time.perf_counter()
+            workers.prepare_generation(force_sync=True)
+            sync_s.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            _, _, times = workers.rollout_steps(steps)
+            step_s.append((time.perf_counter() - started) / steps)
+            env_s.append(times["env_step_s"] / (steps * plan.stages))
+        return _Probe(statistics.median(step_s), steps, statistics.median(env_s), statistics.median(sync_s),
+                      workers.env.call("observations")[0], workers.action_dim, workers.max_episode_steps,
+                      workers.env.call("memory_mib")[0])
     finally:
         workers.shutdown()
 
 
 def channel_costs(lockstep: _Probe, piped: _Probe | None, shared: _Probe | None, env_step: Curve, infer: Curve,
                   num_envs: int) -> dict:
-    """``hop_s``, ``message_s``, ``shared_message_s`` and ``rollout_overhead_s`` solved from the
-    cost model's formulas for one env worker taking turns (``lockstep``), pipelined in two
-    (``piped``), and two env workers colocated with two rollout workers (``shared``)."""
-    hop = max(lockstep.rollout.per_item - env_step(num_envs) - infer(num_envs), 0.0)
-    out = {"hop_s": hop, "rollout_overhead_s": lockstep.rollout.fixed}
+    """``hop_s``, ``message_s`` and ``shared_message_s`` solved from the cost model's formulas
+    for one env worker taking turns (``lockstep``), pipelined in two (``piped``), and two env
+    workers colocated with two rollout workers (``shared``)."""
+    hop = max(lockstep.step_s - env_step(num_envs) - infer(num_envs), 0.0)
     # what was not measured (one device, or envs that do not halve): assume half a hop
     message = hop / 2
     if piped is not None:
-        message = max(piped.rollout.per_item - 2 * max(env_step(num_envs / 2), infer(num_envs / 2)), 0.0) / 2
+        half_env, half_infer = env_step(num_envs / 2), infer(num_envs / 2)
+        fill = (half_env + half_infer + hop) / piped.steps  # the pipe's fill and drain, per step
+        message = max(piped.step_s - fill - 2 * max(half_env, half_infer), 0.0) / 2
     shared_message = message
     if shared is not None:
-        shared_message = max(shared.rollout.per_item - env_step(num_envs / 2) - infer(num_envs / 2) - hop, 0.0)
-    return {**out, "message_s": message, "shared_message_s": shared_message}
+        shared_message = max(shared.step_s - env_step(num_envs / 2) - infer(num_envs / 2) - hop, 0.0)
+    return {"hop_s": hop, "message_s": message, "shared_message_s": shared_message}
 
 
 def measure(cfg, sizes: list[int], devices: int, repeats: int = 5, log=print) -> Profile:

@@ -1,5 +1,7 @@
 """Cost model and planner on synthetic profiles: known optima, memory limits, monotonicity."""
 
+import dataclasses
+
 import pytest
 
 from scheduler.cost_model import (
@@ -113,12 +115,15 @@ def test_no_plan_when_nothing_fits():
     assert choice.best is None and all(not x.feasible for x in choice.table)
 
 
-@pytest.mark.parametrize("stage", ["env_step", "infer", "train"])
+@pytest.mark.parametrize("stage", ["env_step", "infer", "train", "hop_s", "message_s", "shared_message_s",
+                                   "weight_sync_s", "offload_s"])
 @pytest.mark.parametrize("devices", [1, 2, 4])
 def test_a_slower_stage_never_makes_a_plan_or_the_best_plan_faster(stage, devices):
+    base = _profile(message_s=0.0005, shared_message_s=0.001)
     times = []
     for factor in (1.0, 1.5, 2.0, 4.0):
-        p = _profile(**{stage: getattr(_profile(), stage).slower(factor)})
+        cost = getattr(base, stage)
+        p = dataclasses.replace(base, **{stage: cost.slower(factor) if isinstance(cost, Curve) else cost * factor})
         preds = {c: predict(c, p, WORK).iteration_s for c in candidates(devices)}
         times.append((plan(p, WORK, devices).best.iteration_s, preds))
     for (best_a, preds_a), (best_b, preds_b) in zip(times, times[1:], strict=False):
