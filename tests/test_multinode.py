@@ -84,11 +84,12 @@ def _probe(address: str, run_dir: Path, *overrides: str) -> dict:
 
 
 @pytest.mark.parametrize("overrides, expected, weight_sync", [
+    # the first two are slow, for the suite's time: the broadcast case also splits groups over the nodes
     # env on the second node; rollout and actor on the head, sharing its slot
-    (["placement.mode=hybrid", "placement.env=1", "placement.rollout=0", "placement.actor=0"],
-     {"env": ["node_b"], "rollout": ["node_a"], "actor": ["node_a"]}, "shared_memory"),
+    pytest.param(["placement.mode=hybrid", "placement.env=1", "placement.rollout=0", "placement.actor=0"],
+                 {"env": ["node_b"], "rollout": ["node_a"], "actor": ["node_a"]}, "shared_memory",
+                 marks=pytest.mark.slow),
     # env and rollout on the second node, the actor on the head: weights cross nodes
-    # (slow: the broadcast case below crosses the same nodes)
     pytest.param(["placement.mode=colocated", "placement.env=1", "placement.rollout=1", "placement.actor=0"],
                  {"env": ["node_b"], "rollout": ["node_b"], "actor": ["node_a"]}, "object_store",
                  marks=pytest.mark.slow),
