@@ -30,7 +30,7 @@ from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.context_switch import ContextSwitcher
 from scheduler.placement import check_placement, make_plan
-from scheduler.worker import WorkerGroup
+from scheduler.worker import WorkerGroup, wait_ready
 
 VALIDATION_SEED_OFFSET = 10_000_000  # periodic evals start episode slots from eval.seed + this
 
@@ -81,9 +81,10 @@ class Workers:
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
         self.rollout = WorkerGroup(RolloutWorker, "rollout", plan, threads, num_env_workers=len(self.env),
                                    envs_per_worker=self.envs_per_worker, stages=stages,
-                                   seed=cfg.runner.seed, **common)
+                                   seed=cfg.runner.seed, wait=False, **common)
         self.actor = WorkerGroup(ActorWorker, "actor", plan, threads, seed=cfg.runner.seed,
-                                 update_threads=cfg.placement.actor_threads, **common)
+                                 update_threads=cfg.placement.actor_threads, wait=False, **common)
+        wait_ready(self.rollout, self.actor)  # both groups start side by side: seconds of imports each
         self.channel = Channel("env<->rollout")
         self.switcher = ContextSwitcher(plan, {"env": self.env, "rollout": self.rollout, "actor": self.actor})
         self._setup_weight_sync()

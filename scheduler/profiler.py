@@ -15,11 +15,14 @@ workers, every device busy). They give:
 - ``weight_sync``: the actor publishing its weights and the rollout workers loading them;
 - the env worker's memory and a batch of real observations.
 
-In this process, on one device (the first GPU, or one CPU core with one torch thread, as
-a CPU slot's worker runs), on those observations:
+In this process, on one device (the first GPU, or CPU threads as the workers use them),
+on those observations:
 
-- ``infer``: the policy's ``act`` on ``n`` observations;
-- ``train``: one PPO update (the algorithm's epochs and minibatches) over ``n`` samples;
+- ``infer``: the policy's ``act`` on ``n`` observations (CPU: ``placement.torch_threads``
+  threads, as a rollout worker on its slot);
+- ``train``: one PPO update (the algorithm's epochs and minibatches) over ``n`` samples
+  (CPU: ``placement.actor_threads`` threads, as the actor updates while the other groups
+  wait and leave it every core);
 - ``offload``: the actor's weights and optimizer state off the device and back.
 
 Times are medians of ``repeats``; memory is the resident-set (CPU) or allocated-memory
@@ -47,7 +50,7 @@ import torch
 
 from scheduler.cost_model import Candidate, Curve, Profile
 
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 
 
 def hardware() -> dict:
@@ -69,12 +72,14 @@ def profile_key(cfg, sizes: list[int]) -> str:
         "env": dataclasses.asdict(cfg.env) | {"num_envs": None, "num_procs": None},
         "policy": dataclasses.asdict(cfg.policy),
         "algorithm": {k: getattr(cfg.algorithm, k) for k in ("update_epochs", "num_minibatches", "logprob_level")},
+        "threads": [cfg.placement.torch_threads, cfg.placement.actor_threads],
     }
     return hashlib.sha1(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: first-call allocations and kernel selection
+def _median_seconds(fn: Callable[[], object], repeats: int, warm_up: bool = True) -> float:
+    if warm_up:
+        fn()  # first-call allocations and kernel selection
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -125,11 +130,14 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
         infer_t.append(_median_seconds(lambda b=batch: policy.act(b), repeats))
         infer_m.append(weights_mib + max(_memory_mib(device) - before, 0.0))
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.algorithm.lr)
+    if device.type == "cpu":  # the actor updates with every core of its node (see ActorWorker.update)
+        torch.set_num_threads(cfg.placement.actor_threads)
     train_t, train_m = [], []
-    for n in train_sizes:
+    for i, n in enumerate(train_sizes):
         batch = _train_batch(policy, {k: v.to(device) for k, v in _batch(obs, n).items()})
         before = _memory_mib(device)
-        train_t.append(_median_seconds(lambda b=batch: ppo_update(policy, optimizer, b, cfg.algorithm), 1))
+        # one warm-up, at the first size: an update is the profile's slowest stage
+        train_t.append(_median_seconds(lambda b=batch: ppo_update(policy, optimizer, b, cfg.algorithm), 1, i == 0))
         train_m.append(3 * weights_mib + max(_memory_mib(device) - before, 0.0))  # weights, grads, Adam moments
     switch = DeviceState(policy, optimizer)
     offload_s = _median_seconds(lambda: (switch.offload(), switch.onload()), repeats)
@@ -165,14 +173,15 @@ class _Probe:
 
 
 PROBE_SECONDS = 2.0  # a probe rollout lasts about this long: enough steps for a stable median ...
-PROBE_STEPS = (8, 16)  # ... within these bounds
+PROBE_STEPS = (4, 16)  # ... within these bounds (slow steps: Ray's milliseconds matter less)
 
 
 def _probe_rollout(cfg, plan: Candidate, repeats: int = 3) -> _Probe:
     """Rollouts on real workers placed as ``plan``; the median one's seconds per step. Slow
     steps (images, large policies) get fewer steps, within ``PROBE_STEPS``. A whole rollout
     per measurement (not a line through short and long ones, whose difference doubles the
-    noise), and the median: a busy moment of Ray's own processes can slow one rollout on a
+    noise), and the median of ``repeats`` (the mean of two where a rollout lasts over twice
+    ``PROBE_SECONDS``): a busy moment of Ray's own processes can slow a short rollout on a
     small machine by half."""
     from embodied.runner import Workers
     from scheduler.auto import to_placement
@@ -183,8 +192,11 @@ def _probe_rollout(cfg, plan: Candidate, repeats: int = 3) -> _Probe:
     try:
         workers.env.call("reset", seed=cfg.runner.seed)
         started = time.perf_counter()
-        workers.rollout_steps(4)  # pays one-time costs, and says how long a step takes
-        steps = min(max(round(PROBE_SECONDS * 4 / (time.perf_counter() - started)), PROBE_STEPS[0]), PROBE_STEPS[1])
+        workers.rollout_steps(2)  # pays one-time costs, and says about how long a step takes
+        step_estimate = (time.perf_counter() - started) / 2
+        steps = min(max(round(PROBE_SECONDS / step_estimate), PROBE_STEPS[0]), PROBE_STEPS[1])
+        if steps * step_estimate > 2 * PROBE_SECONDS:  # long rollouts: a hiccup of Ray's is a small part
+            repeats = min(repeats, 2)
         sync_s, env_s, step_s = [], [], []
         for _ in range(repeats):
             started = time.perf_counter()
@@ -231,7 +243,7 @@ def measure(cfg, sizes: list[int], devices: int, repeats: int = 5, log=print) ->
     env_points = {n: lockstep.env_step_s} | ({n // 2: piped.env_step_s} if piped else {})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1 if device.type == "cpu" else threads)
+    torch.set_num_threads(cfg.placement.torch_threads if device.type == "cpu" else threads)
     try:
         steps = cfg.algorithm.rollout_steps or lockstep.episode_steps
         policy = measure_policy(cfg, lockstep.obs, lockstep.action_dim, sizes, [k * steps for k in sizes[:2]],

@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,8 +24,8 @@ class Worker:
                  local_device: int = 0, pin_cpu: bool = False):
         self.rank = rank
         self.world_size = world_size
-        if pin_cpu:
-            pin_to_core(local_device)
+        self.node_cores = os.sched_getaffinity(0)
+        self.pinned_core = pin_to_core(local_device) if pin_cpu else None
         torch.set_num_threads(torch_threads)
         use_cuda = device_kind == "gpu" and torch.cuda.is_available()
         self.device = torch.device(f"cuda:{local_device}" if use_cuda else "cpu")
@@ -42,6 +44,24 @@ class Worker:
     def onload(self) -> dict:
         return self.device_state.onload().as_dict() if self.device_state is not None else {"bytes_moved": 0}
 
+    @contextmanager
+    def all_cores(self) -> Iterator[None]:
+        """Let this worker's pinned threads, and the threads they start, use every core of the
+        node for a while: a phase in which the other groups are idle (the actor's update).
+        Ray's own threads keep their affinity. Not pinned: nothing to do."""
+        if self.pinned_core is None:
+            yield
+            return
+        pinned = {t for t in _threads() if _affinity(t) == {self.pinned_core}}
+        for thread in pinned:
+            _set_affinity(thread, self.node_cores)
+        before = _threads()
+        try:
+            yield
+        finally:
+            for thread in pinned | (_threads() - before):  # new threads: the update's thread pool
+                _set_affinity(thread, {self.pinned_core})
+
     def node_id(self) -> str:
         import ray
 
@@ -57,11 +77,29 @@ def pin_to_core(slot: int) -> int:
     return core
 
 
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _affinity(thread: int) -> set[int] | None:
+    try:
+        return os.sched_getaffinity(thread)
+    except OSError:  # the thread ended meanwhile
+        return None
+
+
+def _set_affinity(thread: int, cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(thread, cores)
+    except OSError:
+        pass  # the thread ended meanwhile
+
+
 class WorkerGroup:
     """The ranks of group ``name`` of ``plan``: Ray actors of ``cls``, each pinned to its device's node."""
 
     def __init__(self, cls: type, name: str, plan: Plan, torch_threads: int = 1,
-                 per_rank_kwargs: list[dict] | None = None, **kwargs: Any):
+                 per_rank_kwargs: list[dict] | None = None, wait: bool = True, **kwargs: Any):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -87,8 +125,8 @@ class WorkerGroup:
                 local_device=device.local_index, pin_cpu=plan.pin_cpus, **kwargs, **extra,
             )
             self.workers.append(actor)
-        # fail here, with the worker's own error, if a constructor raised
-        ray.get([w.ping.remote() for w in self.workers])
+        if wait:
+            wait_ready(self)
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -117,3 +155,11 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+def wait_ready(*groups: WorkerGroup) -> None:
+    """Wait until every worker of ``groups`` is constructed (groups started with ``wait=False``
+    come up side by side); fail here, with the worker's own error, if a constructor raised."""
+    import ray
+
+    ray.get([w.ping.remote() for group in groups for w in group.workers])

@@ -1,5 +1,8 @@
 """WorkerGroup fan-out and Channel ordering on a real Ray cluster."""
 
+import os
+import threading
+
 import cloudpickle
 import pytest
 
@@ -27,6 +30,24 @@ class EchoWorker(Worker):
 
     def consume(self, channel: Channel, source: int, n: int) -> list:
         return [channel.get(key=("to", source), timeout=60) for _ in range(n)]
+
+
+class PinnedWorker(Worker):
+    def affinities_around_all_cores(self) -> dict:
+        """This thread's cores before, inside and after ``all_cores``, and those of a thread
+        started inside it (as an update's thread pool is)."""
+        started, stop = threading.Event(), threading.Event()
+        before = os.sched_getaffinity(0)
+        with self.all_cores():
+            inside = os.sched_getaffinity(0)
+            pool = threading.Thread(target=lambda: (started.set(), stop.wait()))
+            pool.start()
+            started.wait()
+        after = os.sched_getaffinity(0)
+        pool_after = os.sched_getaffinity(pool.native_id)
+        stop.set()
+        return {"node": self.node_cores, "pinned": self.pinned_core, "before": before, "inside": inside,
+                "after": after, "pool_after": pool_after}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +84,20 @@ def test_channel_keeps_order_per_key(ray_cluster, plan):
         assert channel.qsize(("to", 0)) == 0
     finally:
         group.shutdown()
+
+
+def test_pinned_worker_gets_every_core_only_inside_all_cores(ray_cluster):
+    import ray
+
+    worker = ray.remote(PinnedWorker).remote(rank=0, world_size=1, local_device=1, pin_cpu=True)
+    try:
+        seen = ray.get(worker.affinities_around_all_cores.remote())
+    finally:
+        ray.kill(worker)
+    pinned = {seen["pinned"]}
+    assert seen["before"] == pinned and seen["after"] == pinned
+    assert seen["inside"] == seen["node"] == os.sched_getaffinity(0)
+    assert seen["pool_after"] == pinned  # a thread started inside is pinned again on the way out
 
 
 def test_constructor_error_surfaces(ray_cluster, plan):

@@ -67,7 +67,8 @@ class ActorWorker(Worker):
         batch = _to(batch, self.device)
         self.policy.train()
         torch.set_num_threads(self.update_threads)
-        return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator)
+        with self.all_cores():  # env and rollout workers wait for the new weights: their cores are free
+            return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator)
 
     def state(self) -> dict:
         """Everything a checkpoint needs to continue training exactly."""
