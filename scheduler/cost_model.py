@@ -1,8 +1,10 @@
 """Predicted iteration time and per-device memory of an execution plan (pure functions).
 
-A :class:`Profile` holds a fitted cost curve per stage, measured on one device (a GPU, or
-a CPU slot): ``seconds(n) = fixed_s + per_item_s * n`` for ``n`` envs stepped, observations
-inferred or samples trained, and the same shape for memory. A :class:`Candidate` says which
+A :class:`Profile` holds a fitted cost curve per stage, measured on this machine by
+``scheduler/profiler.py`` as the workers run the stage (on a GPU, or a CPU slot; a CPU
+actor's update uses every core, the other groups being idle then):
+``seconds(n) = fixed_s + per_item_s * n`` for ``n`` envs stepped, observations inferred or
+samples trained, and the same shape for memory. A :class:`Candidate` says which
 devices each worker group gets and how many micro-batches (pipeline stages) an env
 worker's slice is cut into. :func:`predict` combines them as the runner executes:
 

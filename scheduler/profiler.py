@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from scheduler.cost_model import Candidate, Curve, Profile
+from scheduler.worker import resident_mib
 
 PROFILE_VERSION = 9
 
@@ -92,9 +93,7 @@ def _memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device) / 2**20
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
+    return resident_mib()
 
 
 def _device_memory_mib(device: torch.device, devices: int) -> float:

@@ -68,6 +68,13 @@ class Worker:
         return ray.get_runtime_context().get_node_id()
 
 
+def resident_mib() -> float:
+    """This process's resident memory (what a CPU slot's worker holds), in MiB."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
 def pin_to_core(slot: int) -> int:
     """Run this process, and the threads and processes it starts from now on, on one core:
     CPU slot ``slot`` of this node. Returns the core."""

@@ -21,7 +21,7 @@ from envs.base import episode_rows
 from envs.chunking import ChunkedVecEnv
 from envs.registry import make_vec_env, seed_scheme
 from scheduler.channel import Channel, InOrder
-from scheduler.worker import Worker
+from scheduler.worker import Worker, resident_mib
 
 
 class EnvWorker(Worker):
@@ -49,9 +49,7 @@ class EnvWorker(Worker):
 
     def memory_mib(self) -> float:
         """This worker's resident memory: its simulator's, as the profiler records it."""
-        import psutil
-
-        return psutil.Process().memory_info().rss / 2**20
+        return resident_mib()
 
     def _reset(self, seeds: list[int], ignore_terminations: bool) -> None:
         for s, env in enumerate(self.envs):
