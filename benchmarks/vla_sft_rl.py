@@ -10,8 +10,8 @@ checkpoint=<sft run>``), each evaluated by the standard protocol on the same fix
 
 1. ``embodied sft``: record ``--demos`` motion-planner demos (into ``--out``, not the cache), ``--sft-epochs`` of
    cross-entropy on the action tokens, evaluate: the *before* row;
-2. ``embodied train checkpoint=<sft run>``: PPO from the SFT weights for ``--rl-minutes`` of
-   training, evaluate: the *after* row, plus a video.
+2. ``embodied train checkpoint=<sft run>``: PPO (or GRPO, with the override ``algorithm=grpo``)
+   from the SFT weights for ``--rl-minutes`` of training, evaluate: the *after* row, plus a video.
 
 It prints the before / after table, writes ``learning_curve.png`` (training episodes' success
 per iteration, with both evaluations marked) and reports the wall time of the whole pipeline.
@@ -50,7 +50,13 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
-def plot(rl_dir: Path, before: float, after: float, out: Path) -> Path:
+def rl_algorithm(overrides: list[str]) -> str:
+    """What the RL phase runs: PPO, unless an override picks another algorithm config."""
+    chosen = [o.partition("=")[2] for o in overrides if o.startswith("algorithm=")]
+    return (chosen[-1] if chosen else "ppo").upper()
+
+
+def plot(rl_dir: Path, before: float, after: float, out: Path, algorithm: str) -> Path:
     """Training episodes' success and return per iteration (sampled actions), with the greedy
     evaluations of the SFT checkpoint (step 0) and of the final policy marked."""
     import matplotlib
@@ -74,7 +80,7 @@ def plot(rl_dir: Path, before: float, after: float, out: Path) -> Path:
         bottom.plot(*zip(*_smooth(returns), strict=True))
     bottom.set_ylabel("training episode return (dense)")
     bottom.set_xlabel("RL env steps")
-    top.set_title("PushCube-v1 from RGB: tiny OpenVLA-OFT, SFT then PPO")
+    top.set_title(f"PushCube-v1 from RGB: tiny OpenVLA-OFT, SFT then {algorithm}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     return out
@@ -115,9 +121,10 @@ def main() -> None:
                 f"runner.max_minutes={args.rl_minutes}", f"runner.run_dir={rl_dir}", *args.overrides])
     total_s = time.perf_counter() - started + (sft_s if args.reuse_sft else 0.0)
     before, after = (json.loads((d / "eval.json").read_text()) for d in (sft_dir, rl_dir))
-    png = plot(rl_dir, before["success_once"], after["success_once"], out / "learning_curve.png")
+    algorithm = rl_algorithm(args.overrides)
+    png = plot(rl_dir, before["success_once"], after["success_once"], out / "learning_curve.png", algorithm)
     result = {
-        "policy": args.policy, "eval_episodes": args.eval_episodes, "eval_seeds": before["seeds"][:1] + ["..."],
+        "policy": args.policy, "rl_algorithm": algorithm, "eval_episodes": args.eval_episodes, "eval_seeds": before["seeds"][:1] + ["..."],
         "sft": {"success_once": before["success_once"], "return_mean": before["return_mean"], "wall_s": sft_s},
         "rl": {"success_once": after["success_once"], "return_mean": after["return_mean"], "wall_s": rl_s,
                "env_steps": after["training"]["env_steps"]},
@@ -130,7 +137,7 @@ def main() -> None:
     print(f"| checkpoint | eval episodes | success_once | return_mean | wall (min) |\n|---|---:|---:|---:|---:|\n"
           f"| SFT ({args.demos} demos, {args.sft_epochs} epochs) | {args.eval_episodes} | "
           f"{before['success_once']:.3f} | {before['return_mean']:.2f} | {sft_s / 60:.1f} |\n"
-          f"| + PPO ({result['rl']['env_steps']} env steps) | {args.eval_episodes} | {after['success_once']:.3f} | "
+          f"| + {algorithm} ({result['rl']['env_steps']} env steps) | {args.eval_episodes} | {after['success_once']:.3f} | "
           f"{after['return_mean']:.2f} | {rl_s / 60:.1f} |")
     print(f"gain: {result['gain_points']:+.1f} points; whole pipeline {result['total_minutes']:.1f} min; "
           f"curve {png}; video in {rl_dir / 'videos'}")
