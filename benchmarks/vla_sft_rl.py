@@ -78,7 +78,7 @@ def plot(rl_dir: Path, before: float, after: float, out: Path, algorithm: str) -
     if returns:
         bottom.plot(*zip(*returns, strict=True), alpha=0.4)
         bottom.plot(*zip(*_smooth(returns), strict=True))
-    bottom.set_ylabel("training episode return (dense)")
+    bottom.set_ylabel("training episode return (the env's reward_mode)")
     bottom.set_xlabel("RL env steps")
     top.set_title(f"PushCube-v1 from RGB: tiny OpenVLA-OFT, SFT then {algorithm}")
     fig.tight_layout()
