@@ -50,10 +50,11 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
-def rl_algorithm(overrides: list[str]) -> str:
-    """What the RL phase runs: PPO, unless an override picks another algorithm config."""
-    chosen = [o.partition("=")[2] for o in overrides if o.startswith("algorithm=")]
-    return (chosen[-1] if chosen else "ppo").upper()
+def rl_algorithm(rl_dir: Path) -> str:
+    """What the RL phase ran, as its saved config says (PPO, or GRPO with ``algorithm=grpo``)."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.load(rl_dir / "config.yaml").algorithm.name).upper()
 
 
 def plot(rl_dir: Path, before: float, after: float, out: Path, algorithm: str) -> Path:
@@ -121,7 +122,7 @@ def main() -> None:
                 f"runner.max_minutes={args.rl_minutes}", f"runner.run_dir={rl_dir}", *args.overrides])
     total_s = time.perf_counter() - started + (sft_s if args.reuse_sft else 0.0)
     before, after = (json.loads((d / "eval.json").read_text()) for d in (sft_dir, rl_dir))
-    algorithm = rl_algorithm(args.overrides)
+    algorithm = rl_algorithm(rl_dir)
     png = plot(rl_dir, before["success_once"], after["success_once"], out / "learning_curve.png", algorithm)
     result = {
         "policy": args.policy, "rl_algorithm": algorithm, "eval_episodes": args.eval_episodes, "eval_seeds": before["seeds"][:1] + ["..."],
