@@ -75,7 +75,10 @@ class VecEnv(Protocol):
 
     def reset(self, seed: int | list[int] | None = None) -> tuple[Obs, dict]: ...
 
-    def step(self, actions: torch.Tensor) -> StepResult: ...
+    def step(self, actions: torch.Tensor, observe: bool = True) -> StepResult:
+        """``observe=False``: nobody reads this step's ``obs`` (an action chunk's inner steps),
+        so a backend may skip building it and return ``{}``; ``final_obs`` stays complete."""
+        ...
 
     def set_ignore_terminations(self, flag: bool) -> None:
         """True: episodes end only at the time limit (fixed-horizon evaluation)."""

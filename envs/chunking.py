@@ -12,6 +12,11 @@ step of the wrapper and ``k`` steps of the simulator; the channel carries one me
 - ``obs``: after the chunk's last step;
 - ``info["steps"]``: the chunk's own steps' results, in order (videos show every step).
 
+Only the chunk's last step is observed: the inner steps are taken with ``observe=False``, so a
+CPU simulator renders its cameras once per decision instead of ``k`` times (ManiSkill
+PushCube from RGB: about 4x more steps per second with chunks of 4). Set
+``observe_every_step`` where every step's ``obs`` is needed (recording a video).
+
 An env whose episode ends inside a chunk has already been reset by the simulator, and the
 chunk's remaining actions play out at the start of its next episode: batched simulators step
 every env together. Those steps count towards the next episode (its return and length). Time
@@ -34,6 +39,7 @@ class ChunkedVecEnv:
         self.num_envs, self.action_dim = env.num_envs, env.action_dim
         self.obs_spec, self.device = env.obs_spec, env.device
         self.max_episode_steps = math.ceil(env.max_episode_steps / chunk_size)
+        self.observe_every_step = False
 
     def reset(self, seed: int | list[int] | None = None) -> tuple[Obs, dict]:
         return self.env.reset(seed=seed)
@@ -45,7 +51,8 @@ class ChunkedVecEnv:
         ended: torch.Tensor | None = None  # envs whose episode ended in an earlier step of this chunk
         reward, steps = None, []
         for j in range(self.chunk_size):
-            result = self.env.step(actions[:, j])
+            last = j == self.chunk_size - 1
+            result = self.env.step(actions[:, j], observe=last or self.observe_every_step)
             steps.append(result)
             if ended is None:
                 reward, merged, ended = result.reward.clone(), result, result.done.clone()

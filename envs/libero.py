@@ -180,8 +180,9 @@ class LiberoEnv:
         task_index, _ = decode_seed(last_seed)
         return episode_seed(task_index, entropy % len(self.tasks[task_index].init_states))
 
-    def step(self, action: np.ndarray):
-        """-> (obs, reward, terminated = success, truncated = time limit reached, success)"""
+    def step(self, action: np.ndarray, observe: bool = True):
+        """-> (obs, reward, terminated = success, truncated = time limit reached, success).
+        ``observe`` is ignored: robosuite renders its cameras inside every step."""
         raw, reward, _, _ = self.env.step(np.clip(action, -1.0, 1.0))
         self.steps += 1
         success = bool(self.env.check_success())

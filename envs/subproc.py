@@ -6,6 +6,10 @@ and only a one-word command crosses the pipe per step. Batching several envs per
 process is what makes this fast: per-step IPC is paid once per process, not once
 per env (gymnasium's AsyncVectorEnv pays it per env).
 
+``step(actions, observe=False)`` lets an env skip building observations nobody will
+read (the inner steps of an action chunk): a camera render costs far more than the
+physics step on CPU. Envs whose episode ends still report their final observation.
+
 ``num_procs=0`` steps the whole batch in the calling process (useful inside a Ray
 worker that is already its own process).
 """
@@ -33,8 +37,14 @@ class SingleEnv(Protocol):
 
     def reset(self, seed: int | None) -> dict[str, np.ndarray]: ...
 
-    def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, bool]:
-        """-> (obs, reward, terminated, truncated, success)"""
+    def step(self, action: np.ndarray, observe: bool = True) -> tuple[dict[str, np.ndarray] | None, float, bool,
+                                                                     bool, bool]:
+        """-> (obs, reward, terminated, truncated, success). With ``observe=False`` an env may
+        return ``obs=None`` and skip building it; it must then implement :meth:`observe`."""
+        ...
+
+    def observe(self) -> dict[str, np.ndarray]:
+        """The current observation (after a step that returned ``obs=None``)."""
         ...
 
     def render(self) -> np.ndarray: ...
@@ -92,19 +102,22 @@ class EnvBatch:
         own_scheme = getattr(self.envs[i], "auto_reset_seed", None)
         return own_scheme(self.seeds[i], entropy) if own_scheme else entropy
 
-    def step(self) -> None:
+    def step(self, observe: bool = True) -> None:
+        """Step every env; ``observe=False``: the ``obs`` buffers are left as they were, except
+        for envs whose episode ended (final and reset observations are always written)."""
         actions = self.buf["action"]
         for i, env in enumerate(self.envs):
-            obs, reward, terminated, truncated, success = env.step(actions[i])
+            obs, reward, terminated, truncated, success = env.step(actions[i], observe)
             terminated = terminated and not self.ignore_terminations
             self.buf["reward"][i] = reward
             self.buf["terminated"][i] = terminated
             self.buf["truncated"][i] = truncated
             self.buf["success"][i] = success
             if terminated or truncated:
-                self._write_obs("final_obs", i, obs)
+                self._write_obs("final_obs", i, env.observe() if obs is None else obs)
                 obs = env.reset(self._auto_reset_seed(i))
-            self._write_obs("obs", i, obs)
+            if obs is not None:
+                self._write_obs("obs", i, obs)
 
     def close(self) -> None:
         for env in self.envs:
@@ -124,7 +137,7 @@ def _worker_main(pipe, make_env, env_ids, shm_names, specs, start, stop):
         while True:
             cmd, arg = pipe.recv()
             if cmd == "step":
-                batch.step()
+                batch.step(arg)
                 pipe.send(("ok", None))
             elif cmd == "reset":
                 batch.reset(arg)
@@ -318,16 +331,18 @@ class SubprocVecEnv:
         self.tracker.reset()
         return self._obs("obs"), {}
 
-    def step(self, actions: torch.Tensor) -> StepResult:
-        """Step all envs with ``actions`` float ``[B, A]``."""
+    def step(self, actions: torch.Tensor, observe: bool = True) -> StepResult:
+        """Step all envs with ``actions`` float ``[B, A]``. With ``observe=False`` the result's
+        ``obs`` is empty (``{}``): envs skip the observations nobody reads; ``final_obs``
+        of episodes that ended is still there."""
         self.buf["action"][:] = actions.detach().cpu().numpy()
         error = torch.zeros(self.num_envs, dtype=torch.bool)
         if self._local is not None:
-            self._local.step()
+            self._local.step(observe)
         else:
             # the last good observations: what a failed episode ends on
             before = {k: self.buf[f"obs/{k}"].copy() for k in self.obs_spec} if self.restart_crashed else None
-            _, restarted = self._broadcast("step", restart=self.restart_crashed)
+            _, restarted = self._broadcast("step", [observe] * len(self._pipes), restart=self.restart_crashed)
             for rank in restarted:
                 error[slice(*self._slices()[rank])] = True
             self._end_failed_episodes(error, before)
@@ -342,7 +357,7 @@ class SubprocVecEnv:
             "final_obs": self._obs("final_obs"),
             "episode": self.tracker.update(reward, success, done),
         }
-        return StepResult(self._obs("obs"), reward, terminated, truncated, info)
+        return StepResult(self._obs("obs") if observe else {}, reward, terminated, truncated, info)
 
     def _end_failed_episodes(self, error: torch.Tensor, before: dict | None) -> None:
         """Envs of a replaced worker: their episodes end now, truncated and unsuccessful, on

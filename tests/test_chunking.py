@@ -48,6 +48,40 @@ def test_a_chunk_is_its_steps_in_order_until_the_episode_ends(twins):
         torch.testing.assert_close(result.info["episode"]["return"], steps[0].info["episode"]["return"])
 
 
+def test_unobserved_inner_steps_change_nothing_but_the_renders():
+    """RGB PushCube: a chunk renders its cameras once, at its last step (or where an episode ends
+    inside it), yet its observations, rewards, flags and final observations are those of
+    stepping and rendering every step. 5-step episodes end inside the second chunk."""
+    cfg = dataclasses.replace(compose(["env=maniskill_pushcube_rgb"]).env, image_size=32, max_episode_steps=5)
+    plain, inner = (make_vec_env(cfg, num_envs=2, num_procs=0) for _ in range(2))
+    chunked = ChunkedVecEnv(inner, CHUNK)
+    try:
+        plain.reset(seed=[3, 4])
+        chunked.reset(seed=[3, 4])
+        actions = torch.rand(3, 2, CHUNK, plain.action_dim, generator=torch.Generator().manual_seed(1)) * 2 - 1
+        ends = 0
+        for decision in range(3):
+            steps = [plain.step(actions[decision, :, j]) for j in range(CHUNK)]
+            result = chunked.step(actions[decision])
+            assert [bool(s.obs) for s in result.info["steps"]] == [False] * (CHUNK - 1) + [True]
+            for key in ("rgb", "state"):
+                torch.testing.assert_close(result.obs[key], steps[-1].obs[key])
+            for got, want in zip(result.info["steps"], steps, strict=True):
+                torch.testing.assert_close(got.reward, want.reward)
+                assert torch.equal(got.terminated, want.terminated) and torch.equal(got.truncated, want.truncated)
+                assert torch.equal(got.info["success"], want.info["success"])
+                if bool(want.done.any()):  # the episode's last step is rendered, inside the chunk or not
+                    ends += 1
+                    torch.testing.assert_close(got.info["final_obs"]["rgb"], want.info["final_obs"]["rgb"])
+        assert ends == 1  # step 5: the second chunk's middle step
+        chunked.observe_every_step = True  # what a video needs
+        result = chunked.step(actions[0])
+        assert all(s.obs["rgb"].shape == (2, 32, 32, 3) for s in result.info["steps"])
+    finally:
+        plain.close()
+        chunked.close()
+
+
 def test_chunked_actions_must_have_the_chunk_shape(twins):
     _, chunked = twins
     with pytest.raises(ValueError, match=r"\[B, 3, A\]"):

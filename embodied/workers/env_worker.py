@@ -117,11 +117,22 @@ class EnvWorker(Worker):
                         if not frames.ended:
                             frames.add(self._frame(i, step.obs, step), step, i % self.stage_size)
 
-        rows = self.interact(self.envs[0].max_episode_steps, channel, on_step if recorders else None)["episodes"]
+        self._observe_every_step({i // self.stage_size for i in recorders})  # a video shows every step
+        try:
+            rows = self.interact(self.envs[0].max_episode_steps, channel, on_step if recorders else None)["episodes"]
+        finally:
+            self._observe_every_step(set())
         for row in rows:
             row["seed"], row["episode"] = seeds[row["env"]], episode_ids[row["env"]]
         return {"rows": [r for r in rows if r["episode"] >= 0],
                 "videos": {episode_ids[i]: frames.as_dict() for i, frames in recorders.items()}}
+
+    def _observe_every_step(self, stages: set[int]) -> None:
+        """Chunked micro-batches in ``stages`` observe each of their steps, the others only the
+        last step of a chunk (see envs/chunking.py)."""
+        for s, env in enumerate(self.envs):
+            if isinstance(env, ChunkedVecEnv):
+                env.observe_every_step = s in stages
 
     def _frame(self, i: int, obs: dict, result) -> np.ndarray:
         """The picture of env ``i`` after a step: its camera (agentview beside wrist view, if
