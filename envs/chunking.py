@@ -13,8 +13,8 @@ step of the wrapper and ``k`` steps of the simulator; the channel carries one me
 - ``info["steps"]``: the chunk's own steps' results, in order (videos show every step).
 
 Only the chunk's last step is observed: the inner steps are taken with ``observe=False``, so a
-CPU simulator renders its cameras once per decision instead of ``k`` times (ManiSkill
-PushCube from RGB: about 4x more steps per second with chunks of 4). Set
+CPU simulator renders its cameras once per decision instead of ``k`` times (tiny OFT on
+ManiSkill PushCube from RGB, chunks of 4: evaluation 2.5x faster end to end). Set
 ``observe_every_step`` where every step's ``obs`` is needed (recording a video).
 
 An env whose episode ends inside a chunk has already been reset by the simulator, and the
