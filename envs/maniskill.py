@@ -131,8 +131,7 @@ class ManiSkillCPUEnv:
         if not observe and self.spec.obs_mode != "state":
             return self._step_unobserved(action)
         obs, reward, terminated, truncated, info = self.env.step(torch.from_numpy(action[None]))
-        success = bool(info["success"][0]) if "success" in info else False
-        return self._numpy(obs), float(reward[0]), bool(terminated[0]), bool(truncated[0]), success
+        return self._numpy(obs), float(reward[0]), bool(terminated[0]), bool(truncated[0]), _success(info)
 
     def _step_unobserved(self, action: np.ndarray):
         """ManiSkill's own ``step`` on the unwrapped env with its observation mode set to
@@ -147,8 +146,7 @@ class ManiSkillCPUEnv:
         finally:
             base._obs_mode = mode
         truncated = base.elapsed_steps[0] >= self.max_episode_steps
-        success = bool(info["success"][0]) if "success" in info else False
-        return None, float(reward[0]), bool(terminated[0]), bool(truncated), success
+        return None, float(reward[0]), bool(terminated[0]), bool(truncated), _success(info)
 
     def observe(self) -> dict[str, np.ndarray]:
         """The current observation, through the same wrappers as ``step``'s."""
@@ -166,6 +164,11 @@ class ManiSkillCPUEnv:
 
     def close(self) -> None:
         self.env.close()
+
+
+def _success(info: dict) -> bool:
+    """The one env's success flag (tasks without one never succeed)."""
+    return bool(info["success"][0]) if "success" in info else False
 
 
 def _make_cpu_env(spec: ManiSkillSpec, env_index: int) -> ManiSkillCPUEnv:
