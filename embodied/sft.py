@@ -20,6 +20,7 @@ from embodied.errors import UserError
 from embodied.runner import Progress
 from envs.demos import Demos, generate_demos
 from policies.registry import POLICIES, check_policy_config, make_policy
+from policies.vla.action_tokenizer import ActionStats
 
 
 def demos_for(cfg: TrainConfig, progress: bool) -> Demos:
@@ -73,6 +74,9 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
     obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in demos.obs.items()}
     torch.manual_seed(cfg.runner.seed)
     policy = make_policy(cfg.policy, obs_spec, demos.actions.shape[-1])
+    # OpenVLA's fine-tuning recipe: the new dataset's q01 / q99 map to the ends of the 256 bins, so
+    # the bins resolve the range the demos use (joint deltas of a slow planner span a few % of [-1, 1])
+    policy.set_action_stats(ActionStats.from_actions(demos.actions))
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.sft.lr)
     generator = torch.Generator().manual_seed(cfg.runner.seed)
     steps_per_epoch = math.ceil(len(demos) / cfg.sft.batch_size)

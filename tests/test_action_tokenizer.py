@@ -79,3 +79,13 @@ def test_stats_from_a_dataset_and_back():
     tok = ActionTokenizer(stats, vocab_size=VOCAB)
     inside = tok.normalize(actions).abs() < 1  # 98% of the data lies strictly inside [-1, 1]
     assert 0.9 < float(inside.all(dim=-1).float().mean()) < 1.0
+
+
+def test_a_dimension_the_dataset_never_changes_is_left_unnormalised():
+    """A constant gripper command has q01 == q99: rescaling it would divide by zero."""
+    actions = torch.cat([torch.linspace(-0.2, 0.2, 101)[:, None], torch.ones(101, 1)], dim=1)
+    stats = ActionStats.from_actions(actions)
+    assert stats.normalize_mask.tolist() == [True, False]
+    tok = ActionTokenizer(stats, vocab_size=VOCAB)
+    assert torch.allclose(tok.decode(tok.encode(actions))[:, 1], torch.ones(101), atol=tok.bin_width)
+    assert (ActionStats.from_tensor(stats.as_tensor()).normalize_mask == stats.normalize_mask).all()

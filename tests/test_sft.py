@@ -13,6 +13,7 @@ from embodied.sft import chunk_targets, demos_for, train_sft
 from envs.base import decode_instruction
 from envs.registry import make_vec_env
 from policies.registry import make_policy
+from policies.vla.action_tokenizer import ActionStats
 from tests.conftest import run_cli
 
 OVERRIDES = ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.max_episode_steps=100",
@@ -62,6 +63,9 @@ def test_sft_fits_the_demos_and_saves_a_loadable_checkpoint(cfg, demos, sft_run)
     untrained_logp = _demo_logp(policy, demos)
     policy.load_state_dict(state["actor"]["policy"])
     assert _demo_logp(policy, demos) > untrained_logp + 1.0  # nats per token: it learnt the demos
+    # its bins span the demos' q01..q99, not [-1, 1]: the checkpoint carries those statistics
+    assert torch.equal(policy.action_stats, ActionStats.from_actions(demos.actions).as_tensor())
+    assert bool(policy.action_stats[2].any())
     assert stats["sft/token_accuracy"] > 1 / 256 * 5
 
 

@@ -160,6 +160,34 @@ def test_a_checkpoints_norm_stats_unnormalise_its_actions(tmp_path, monkeypatch)
     assert _policy("openvla_tiny", f"policy.model_path={tmp_path}", "policy.unnorm_key=fractal").action_dim == 4
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_dataset_stats_travel_with_the_weights_and_the_model_directory(tmp_path, monkeypatch, model):
+    """SFT sets the demos' q01 / q99: a checkpoint's state dict and a save_pretrained directory
+    carry them, and a state dict saved before they existed loads as [-1, 1] actions."""
+    from policies.vla.action_tokenizer import ActionStats
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    policy = _policy(model, "policy.chunk_size=1")
+    stats = ActionStats(torch.tensor([-0.1, 0.0, -2.0, -1.0]), torch.tensor([0.1, 0.5, 2.0, 1.0]),
+                        torch.tensor([True, True, True, False]))
+    policy.set_action_stats(stats)
+    bins = torch.tensor([[0.0, 255.0, 128.0, 0.0]])
+    expected = policy.to_env(bins)
+    assert float(expected[0, 0]) == pytest.approx(-0.1, abs=1e-3) and 0.49 < float(expected[0, 1]) <= 0.5
+
+    fresh = _policy(model, "policy.chunk_size=1", seed=1)
+    assert not torch.allclose(fresh.to_env(bins), expected)
+    fresh.load_state_dict(policy.state_dict())
+    torch.testing.assert_close(fresh.to_env(bins), expected)
+
+    policy.save_pretrained(tmp_path)
+    torch.testing.assert_close(_policy(model, f"policy.model_path={tmp_path}", "policy.chunk_size=1").to_env(bins), expected)
+
+    old = {k: v for k, v in policy.state_dict().items() if k != "action_stats"}
+    fresh.load_state_dict(old)
+    torch.testing.assert_close(fresh.to_env(bins), _policy(model, "policy.chunk_size=1").to_env(bins))
+
+
 def test_openvla_prompts_end_with_the_empty_piece_its_training_saw():
     """OpenVLA's Llama tokenizer ends "Out: " on the lone word-boundary piece (29871); the tiny byte
     tokenizer has none. Appended once, where missing, with its mask."""

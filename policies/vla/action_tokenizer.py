@@ -40,10 +40,20 @@ class ActionStats:
 
     @classmethod
     def from_actions(cls, actions: torch.Tensor, normalize_mask: torch.Tensor | None = None) -> ActionStats:
-        """Quantiles of a dataset's actions ``[N, A]`` (all dimensions normalised by default)."""
+        """Quantiles of a dataset's actions ``[N, A]``. Every dimension is normalised by default,
+        except those whose q01 and q99 coincide (e.g. a gripper command the demos never change):
+        rescaling them would divide by zero, so they stay as they are."""
         q = torch.quantile(actions.double(), torch.tensor([0.01, 0.99], dtype=torch.float64), dim=0).float()
         mask = torch.ones(actions.shape[-1], dtype=torch.bool) if normalize_mask is None else normalize_mask
-        return cls(q[0], q[1], mask)
+        return cls(q[0], q[1], mask & (q[1] - q[0] > 1e-6))
+
+    def as_tensor(self) -> torch.Tensor:
+        """``[3, A]``: q01, q99 and the mask (as 0 / 1), the layout a policy keeps in its state dict."""
+        return torch.stack([self.q01.float(), self.q99.float(), self.normalize_mask.float()])
+
+    @classmethod
+    def from_tensor(cls, packed: torch.Tensor) -> ActionStats:
+        return cls(packed[0], packed[1], packed[2] > 0.5)
 
     def to_dict(self) -> dict:
         return {"q01": self.q01.tolist(), "q99": self.q99.tolist(), "mask": self.normalize_mask.tolist()}

@@ -76,11 +76,13 @@ class TokenVLAPolicy(nn.Module):
     def _setup_rl(self, cfg, action_dim: int, actions: ActionTokenizer, hidden: int, lora_target: nn.Module) -> None:
         """What every VLA policy adds to its backbone: action tokens, sampling settings, a value
         head on ``hidden``-wide states and, with ``policy.lora_rank``, LoRA in ``lora_target``."""
-        self.action_dim, self.actions = action_dim, actions
+        self.action_dim, self._action_tokenizer = action_dim, actions
+        # the q01 / q99 statistics travel with the weights (checkpoints, weight syncs): SFT sets them
+        self.register_buffer("action_stats", actions.stats.as_tensor())
         self.chunk_size = cfg.chunk_size
         self.noise_dim = cfg.chunk_size * action_dim  # tokens per decision: T
         self.temperature, self.instruction = cfg.temperature, cfg.instruction
-        self.model_path = cfg.model_path
+        self.model_path, self.unnorm_key = cfg.model_path, cfg.unnorm_key
         self.backend, self.generator = cfg.backend, None  # generator: the vLLM engine, once built
         if cfg.backend not in GENERATION_BACKENDS:
             from embodied.errors import unknown_name_error
@@ -98,6 +100,23 @@ class TokenVLAPolicy(nn.Module):
         inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS), module)
         for name, param in self.named_parameters():
             param.requires_grad = "lora_" in name or name.startswith("value_head")
+
+    @property
+    def actions(self) -> ActionTokenizer:
+        """The action tokenizer, normalising with the statistics in ``action_stats`` as they are
+        now (a checkpoint load or a weight sync replaces that buffer's data)."""
+        self._action_tokenizer.stats = ActionStats.from_tensor(self.action_stats.cpu())
+        return self._action_tokenizer
+
+    def set_action_stats(self, stats: ActionStats) -> None:
+        """Normalise actions with ``stats`` from now on (SFT: its demos' q01 / q99)."""
+        self.action_stats.copy_(stats.as_tensor())
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Checkpoints saved before ``action_stats`` existed normalised with [-1, 1]: they load so."""
+        if "action_stats" not in state_dict:
+            state_dict = {**state_dict, "action_stats": ActionStats.identity(self.action_dim).as_tensor()}
+        return super().load_state_dict(state_dict, strict, assign)
 
     def _bin_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., V]`` logits -> log-probs over the action bins ``[..., n_bins]`` (masked, tempered)."""
@@ -177,9 +196,14 @@ class TokenVLAPolicy(nn.Module):
         return self.value_head(hidden[:, -1]).squeeze(-1)
 
     def save_pretrained(self, path: str | Path) -> None:
-        """A model directory that ``policy.model_path`` loads (the model and its tokenizer)."""
+        """A model directory that ``policy.model_path`` loads: the model, its tokenizer and, where
+        actions are normalised, their statistics (OpenVLA's ``dataset_statistics.json``)."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        stats = self.actions.stats
+        if bool(stats.normalize_mask.any()):  # [-1, 1] actions need no file
+            key = self.unnorm_key or "embodied"
+            (Path(path) / STATS_FILE).write_text(json.dumps({key: {"action": stats.to_dict()}}, indent=1))
 
     def to_env(self, actions: torch.Tensor) -> torch.Tensor:
         """Sampled bins ``[B, T]`` -> continuous env actions (bin centres, un-normalised): ``[B, A]``,
@@ -210,6 +234,7 @@ def make_value_head(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
+STATS_FILE = "dataset_statistics.json"  # OpenVLA's: {dataset: {"action": {"q01", "q99", "mask"}}}
 EMPTY_PIECE = "\u2581"  # SentencePiece's word boundary on its own: id 29871 in Llama-2's vocabulary
 
 
@@ -219,7 +244,7 @@ def checkpoint_action_stats(model_dir: str, config, unnorm_key: str | None, acti
     dataset ``policy.unnorm_key`` (optional when there is one). None there: actions in [-1, 1]."""
     from embodied.errors import UserError
 
-    path = Path(model_dir) / "dataset_statistics.json"
+    path = Path(model_dir) / STATS_FILE
     stats = json.loads(path.read_text()) if path.exists() else getattr(config, "norm_stats", None)
     if not stats:
         return ActionStats.identity(action_dim)

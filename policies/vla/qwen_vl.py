@@ -20,6 +20,7 @@ from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.policy import (
     DecodeState,
     TokenVLAPolicy,
+    checkpoint_action_stats,
     instructions_of,
     require_images,
     require_model_dir,
@@ -79,7 +80,9 @@ class QwenVLPolicy(TokenVLAPolicy):
         if self.model.get_input_embeddings().weight.shape[0] < len(self.tokenizer):
             self.model.resize_token_embeddings(len(self.tokenizer))
         first = self.tokenizer.convert_tokens_to_ids(action_token(0))
-        actions = ActionTokenizer(ActionStats.identity(action_dim), mode="added", first_id=first)
+        stats = (checkpoint_action_stats(cfg.model_path, self.model.config, cfg.unnorm_key, action_dim)
+                 if cfg.model_path else ActionStats.identity(action_dim))
+        actions = ActionTokenizer(stats, mode="added", first_id=first)
         self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size,
                        self.model.model.language_model)
         # images are resized to multiples of 28 px within these pixel counts (64 -> 56 px: 4 image tokens)
