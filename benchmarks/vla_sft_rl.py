@@ -2,19 +2,24 @@
 
     .venv/bin/python benchmarks/vla_sft_rl.py [--policy openvla_oft_tiny] [--demos 100]
         [--sft-epochs 12] [--rl-minutes 50] [--eval-episodes 100] [--out runs/vla_sft_rl]
-        [--json] [-- extra train overrides, e.g. algorithm.lr=1e-4]
+        [--select best --validate-every 10 --validation-episodes 64] [--reuse-sft] [--json]
+        [-- extra train overrides, e.g. algorithm.lr=1e-4]
 
-Three commands a user would type, run in order (``embodied sft``, ``embodied train
-checkpoint=<sft run>``), each evaluated by the standard protocol on the same fixed seeds
-(``eval.seed`` + k, ``--eval-episodes`` episodes, greedy):
+Commands a user would type, run in order, each evaluated by the standard protocol on the
+same fixed seeds (``eval.seed`` + k, ``--eval-episodes`` episodes):
 
 1. ``embodied sft``: record ``--demos`` motion-planner demos (into ``--out``, not the cache), ``--sft-epochs`` of
-   cross-entropy on the action tokens, evaluate: the *before* row;
+   cross-entropy on the action tokens, evaluate greedily: the *before* row;
 2. ``embodied train checkpoint=<sft run>``: PPO (or GRPO, with the override ``algorithm=grpo``)
-   from the SFT weights for ``--rl-minutes`` of training, evaluate: the *after* row, plus a video.
+   from the SFT weights for ``--rl-minutes`` of training, plus a video. With ``--select best``
+   it validates every ``--validate-every`` iterations on other seeds and keeps the best weights
+   (``runner.final_weights=best``), judged by the policy as RL samples it;
+3. ``embodied eval``, on fresh workers, of both checkpoints: greedy, and sampled (temperature
+   ``policy.temperature``, the policy RL trains). Sampled evaluations draw the same noise for
+   the same seed in both (same ``env.num_envs`` and ``runner.seed``), so they are paired.
 
 It prints the before / after table, writes ``learning_curve.png`` (training episodes' success
-per iteration, with both evaluations marked) and reports the wall time of the whole pipeline.
+per iteration, the validations and the evaluations) and reports the wall time of the whole pipeline.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 ENV = ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.max_episode_steps=100"]
 # PPO for a warm-started policy: a smaller step, returns over a 25-decision episode (chunks of 4)
@@ -50,16 +57,9 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
-def rl_algorithm(rl_dir: Path) -> str:
-    """What the RL phase ran, as its saved config says (PPO, or GRPO with ``algorithm=grpo``)."""
-    from omegaconf import OmegaConf
-
-    return str(OmegaConf.load(rl_dir / "config.yaml").algorithm.name).upper()
-
-
-def plot(rl_dir: Path, before: float, after: float, out: Path, algorithm: str) -> Path:
-    """Training episodes' success and return per iteration (sampled actions), with the greedy
-    evaluations of the SFT checkpoint (step 0) and of the final policy marked."""
+def plot(rl_dir: Path, rows: dict[str, dict], rl_step: int, out: Path, algorithm: str) -> Path:
+    """Training episodes' success and return per iteration (sampled actions), the periodic
+    validations, and the evaluations of the SFT checkpoint (step 0) and of the RL weights."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,14 +67,18 @@ def plot(rl_dir: Path, before: float, after: float, out: Path, algorithm: str) -
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     success = scalars(rl_dir, "env/success_once")
-    last = success[-1][0] if success else 1
     if success:
-        top.plot(*zip(*success, strict=True), alpha=0.4, label="training episodes (sampled actions)")
+        top.plot(*zip(*success, strict=True), alpha=0.3, label="training episodes (sampled actions)")
         top.plot(*zip(*_smooth(success), strict=True), label="same, mean of 5 iterations")
-    top.scatter([0, last], [before, after], color="red", zorder=3, label="eval, 100 episodes, greedy")
+    validation = scalars(rl_dir, "eval/success_once")
+    if validation:
+        top.plot(*zip(*validation, strict=True), marker="o", label="validation (other seeds)")
+    for protocol, color in (("greedy", "red"), ("sampled", "black")):
+        top.scatter([0, rl_step], [rows["sft"][protocol], rows["rl"][protocol]], color=color, zorder=3,
+                    label=f"eval, {protocol}")
     top.set_ylabel("success rate")
     top.set_ylim(0, 1)
-    top.legend(fontsize=8)
+    top.legend(fontsize=7)
     returns = scalars(rl_dir, "env/return")
     if returns:
         bottom.plot(*zip(*returns, strict=True), alpha=0.4)
@@ -92,6 +96,14 @@ def _smooth(points: list[tuple[int, float]], window: int = 5) -> list[tuple[int,
             for i in range(len(points))]
 
 
+def evaluate(checkpoint: Path, out_dir: Path, sampled: bool, num_envs: int, episodes: int) -> tuple[dict, float]:
+    """``embodied eval`` of ``checkpoint`` on fresh workers: (its eval.json, wall seconds)."""
+    wall = run(["eval", f"checkpoint={checkpoint}", f"eval.deterministic={str(not sampled).lower()}",
+                f"env.num_envs={num_envs}", "runner.seed=1", f"eval.episodes={episodes}", "eval.videos_per_task=0",
+                "runner.progress=false", f"runner.run_dir={out_dir}"])
+    return json.loads((out_dir / "eval.json").read_text()), wall
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default="openvla_oft_tiny")
@@ -99,6 +111,10 @@ def main() -> None:
     parser.add_argument("--sft-epochs", type=int, default=12)
     parser.add_argument("--rl-minutes", type=float, default=50)
     parser.add_argument("--eval-episodes", type=int, default=100)
+    parser.add_argument("--select", choices=["last", "best"], default="last",
+                        help="evaluate the last RL weights, or the best periodic validation's")
+    parser.add_argument("--validate-every", type=int, default=10, help="--select best: iterations between validations")
+    parser.add_argument("--validation-episodes", type=int, default=64, help="--select best: episodes per validation")
     parser.add_argument("--out", default="runs/vla_sft_rl")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--reuse-sft", action="store_true",
@@ -116,32 +132,52 @@ def main() -> None:
         sft_s = run(["sft", *common, f"sft.demos={args.demos}", f"sft.epochs={args.sft_epochs}",
                      f"sft.demos_dir={out / 'demos'}", "runner.progress=false", f"runner.run_dir={sft_dir}"])
         (out / "sft_wall_s").write_text(f"{sft_s:.1f}")
-    if rl_dir.exists():
-        rl_dir.rename(out / f"rl-before-{time.strftime('%H%M%S')}")  # an earlier attempt stays readable
-    rl_s = run(["train", f"checkpoint={sft_dir}", *RL, f"eval.episodes={args.eval_episodes}",
+    for old in (rl_dir, out / "evals"):
+        if old.exists():  # an earlier attempt stays readable
+            old.rename(out / f"{old.name}-before-{time.strftime('%H%M%S')}")
+    select = [] if args.select == "last" else [
+        f"runner.eval_every={args.validate_every}", f"runner.validation_episodes={args.validation_episodes}",
+        "runner.final_weights=best", "eval.deterministic=false"]
+    rl_s = run(["train", f"checkpoint={sft_dir}", *RL, *select, f"eval.episodes={args.eval_episodes}",
                 f"runner.max_minutes={args.rl_minutes}", f"runner.run_dir={rl_dir}", *args.overrides])
+    rl_eval = json.loads((rl_dir / "eval.json").read_text())
+    rl_ckpt = rl_dir / "checkpoints" / "best.pt" if rl_eval["evaluated"]["weights"] == "best" else rl_dir
+    num_envs = int(OmegaConf.load(rl_dir / "config.yaml").env.num_envs)
+    before = json.loads((sft_dir / "eval.json").read_text())  # `embodied sft` evaluated it greedily
+    rows = {"sft": {"greedy": before["success_once"]}, "rl": {}}
+    sft_protocols = ("sampled",) if before["episodes"] == args.eval_episodes else ("greedy", "sampled")
+    eval_s = 0.0
+    for name, ckpt, protocols in (("sft", sft_dir, sft_protocols), ("rl", rl_ckpt, ("greedy", "sampled"))):
+        for protocol in protocols:
+            summary, wall = evaluate(ckpt, out / "evals" / f"{name}_{protocol}", protocol == "sampled",
+                                     num_envs, args.eval_episodes)
+            rows[name][protocol], eval_s = summary["success_once"], eval_s + wall
     total_s = time.perf_counter() - started + (sft_s if args.reuse_sft else 0.0)
-    before, after = (json.loads((d / "eval.json").read_text()) for d in (sft_dir, rl_dir))
-    algorithm = rl_algorithm(rl_dir)
-    png = plot(rl_dir, before["success_once"], after["success_once"], out / "learning_curve.png", algorithm)
+    algorithm = str(OmegaConf.load(rl_dir / "config.yaml").algorithm.name).upper()
+    rl_step = rl_eval["training"]["env_steps"] * rl_eval["evaluated"]["iteration"] // max(rl_eval["training"]["iterations"], 1)
+    png = plot(rl_dir, rows, rl_step, out / "learning_curve.png", algorithm)
     result = {
-        "policy": args.policy, "rl_algorithm": algorithm, "eval_episodes": args.eval_episodes, "eval_seeds": before["seeds"][:1] + ["..."],
-        "sft": {"success_once": before["success_once"], "return_mean": before["return_mean"], "wall_s": sft_s},
-        "rl": {"success_once": after["success_once"], "return_mean": after["return_mean"], "wall_s": rl_s,
-               "env_steps": after["training"]["env_steps"]},
-        "gain_points": 100 * (after["success_once"] - before["success_once"]),
-        "total_minutes": total_s / 60, "learning_curve": str(png), "videos": str(rl_dir / "videos"),
+        "policy": args.policy, "rl_algorithm": algorithm, "eval_episodes": args.eval_episodes,
+        "eval_seeds": before["seeds"][:1] + ["..."], "success_once": rows,
+        "gain_points": {p: 100 * (rows["rl"][p] - rows["sft"][p]) for p in ("greedy", "sampled")},
+        "rl_weights": rl_eval["evaluated"], "rl_env_steps": rl_eval["training"]["env_steps"],
+        "wall_minutes": {"sft": sft_s / 60, "rl": rl_s / 60, "evals": eval_s / 60, "total": total_s / 60},
+        "learning_curve": str(png), "videos": str(rl_dir / "videos"),
     }
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"| checkpoint | eval episodes | success_once | return_mean | wall (min) |\n|---|---:|---:|---:|---:|\n"
-          f"| SFT ({args.demos} demos, {args.sft_epochs} epochs) | {args.eval_episodes} | "
-          f"{before['success_once']:.3f} | {before['return_mean']:.2f} | {sft_s / 60:.1f} |\n"
-          f"| + {algorithm} ({result['rl']['env_steps']} env steps) | {args.eval_episodes} | {after['success_once']:.3f} | "
-          f"{after['return_mean']:.2f} | {rl_s / 60:.1f} |")
-    print(f"gain: {result['gain_points']:+.1f} points; whole pipeline {result['total_minutes']:.1f} min; "
-          f"curve {png}; video in {rl_dir / 'videos'}")
+    weights, sft_cfg = rl_eval["evaluated"], OmegaConf.load(sft_dir / "config.yaml").sft
+    print(f"| checkpoint | greedy success_once | sampled success_once | wall (min) |\n|---|---:|---:|---:|\n"
+          f"| SFT ({sft_cfg.demos} demos, {sft_cfg.epochs} epochs) | {rows['sft']['greedy']:.3f} | "
+          f"{rows['sft']['sampled']:.3f} | {sft_s / 60:.1f} |\n"
+          f"| + {algorithm}, {weights['weights']} weights (iteration {weights['iteration']} of "
+          f"{rl_eval['training']['iterations']}, {result['rl_env_steps']} env steps) | {rows['rl']['greedy']:.3f} | "
+          f"{rows['rl']['sampled']:.3f} | {rl_s / 60:.1f} |")
+    gains = result["gain_points"]
+    print(f"gain over {args.eval_episodes} episodes: {gains['greedy']:+.1f} points greedy, {gains['sampled']:+.1f} "
+          f"sampled; evaluations {eval_s / 60:.1f} min; whole pipeline {total_s / 60:.1f} min; curve {png}; "
+          f"video in {rl_dir / 'videos'}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Atomic checkpoints: a crash (even SIGKILL) mid-save never leaves a corrupt or missing one.
 
-Files: ``<run_dir>/checkpoints/ckpt_<iteration>.pt`` and ``latest.json`` naming the
-newest. Each is written to a temporary file, fsynced, then renamed into place.
+Files: ``<run_dir>/checkpoints/ckpt_<iteration>.pt``, ``latest.json`` naming the
+newest and, with ``runner.eval_every``, ``best.pt`` (the best validation's weights). Each is written to a temporary file, fsynced, then renamed into place.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from embodied.errors import UserError
 
 KEEP = 3  # older checkpoints are pruned after a newer one is safely written
+BEST = "best.pt"  # runner.final_weights=best: the best periodic validation's weights
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -46,6 +47,14 @@ def save_checkpoint(run_dir: Path, iteration: int, state: dict) -> Path:
     _atomic_write(ckpt_dir / "latest.json", lambda f: f.write(json.dumps({"file": path.name}).encode()))
     for old in sorted(ckpt_dir.glob("ckpt_*.pt"))[:-KEEP]:
         old.unlink()
+    return path
+
+
+def save_best_checkpoint(run_dir: Path, state: dict) -> Path:
+    """``<run_dir>/checkpoints/best.pt``: the weights of the best periodic validation so far.
+    Never pruned, and not what a run directory resolves to (that stays the newest)."""
+    path = Path(run_dir) / "checkpoints" / BEST
+    _atomic_write(path, lambda f: torch.save(state, f))
     return path
 
 

@@ -108,11 +108,11 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
     if cfg.eval.video_episodes:
         seeds = recording_seeds(cfg.env, cfg.eval, cfg.eval.video_episodes)
         record_videos(policy, cfg.env, seeds, run_dir / "videos")
-    t = summary["training"]
+    t, weights = summary["training"], summary["evaluated"]
     print(table)
     print(f"trained {t['env_steps']} env steps in {t['train_minutes']:.1f} min "
-          f"({t['env_steps_per_s']:.0f} env-steps/s); eval over {summary['episodes']} episodes: "
-          f"success_once {summary['success_once']:.3f}")
+          f"({t['env_steps_per_s']:.0f} env-steps/s); eval of the {weights['weights']} weights (iteration "
+          f"{weights['iteration']}) over {summary['episodes']} episodes: success_once {summary['success_once']:.3f}")
     print(run_dir.resolve())
     return 0
 

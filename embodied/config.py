@@ -163,6 +163,11 @@ class RunnerConfig:
     # iterations between validation evaluations on env.num_envs episodes whose seeds
     # (eval.seed + 10_000_000 + k) differ from the final evaluation's (0: only at the end)
     eval_every: int = 0
+    validation_episodes: int | None = None  # episodes of each periodic evaluation (None: env.num_envs)
+    # the weights train evaluates and records at its end: "last" (the final ones) or "best" (those
+    # of the best periodic validation, kept as checkpoints/best.pt; needs eval_every > 0). RL on a
+    # warm-started policy can peak mid-run: "best" picks the peak on seeds the final eval never sees
+    final_weights: str = "last"
     stop_at_success: float | None = None  # stop once periodic evaluations reach this success_once ...
     stop_patience: int = 2  # ... this many times in a row (PPO oscillates: one lucky eval is not enough)
     checkpoint_every: int = 10  # iterations between checkpoints

@@ -15,9 +15,9 @@ from pathlib import Path
 from embodied.algorithms.advantages import ADVANTAGES, OUTCOME_ADVANTAGES
 from embodied.algorithms.logprob_levels import LOGPROB_LEVELS
 from embodied.algorithms.losses import LOSSES
-from embodied.checkpoint import save_checkpoint
+from embodied.checkpoint import BEST, load_checkpoint, save_best_checkpoint, save_checkpoint
 from embodied.config import TrainConfig, to_yaml
-from embodied.errors import UserError
+from embodied.errors import UserError, unknown_name_error
 from embodied.evaluate import summarize
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
@@ -43,6 +43,8 @@ class Progress:
     env_steps: int = 0
     train_seconds: float = 0.0  # wall-clock of the training loop (evals and checkpoints included)
     solved_at_seconds: float | None = None  # first periodic eval with success_once >= 0.9
+    best_eval_success: float | None = None  # the best periodic eval's success_once (checkpoints/best.pt)
+    best_iteration: int | None = None  # ... and the iteration it followed
 
 
 class Workers:
@@ -60,6 +62,7 @@ class Workers:
             registry.get(name)
         check_placement(cfg.placement, cfg.env.num_envs)
         _check_groups(cfg)
+        _check_final_weights(cfg)
         start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         devices = cluster_devices()
         self.auto: AutoPlan | None = None
@@ -242,6 +245,17 @@ def _check_groups(cfg: TrainConfig) -> None:
                         f"stages ({micro_batch} envs each here). Pick a group size >= 2 that divides {micro_batch}.")
 
 
+def _check_final_weights(cfg: TrainConfig) -> None:
+    """``runner.final_weights=best`` picks among periodic validations: there must be some."""
+    choice = cfg.runner.final_weights
+    if choice not in ("last", "best"):
+        raise unknown_name_error("final weights (runner.final_weights)", choice, ["last", "best"])
+    if choice == "best" and not cfg.runner.eval_every:
+        raise UserError("runner.final_weights=best keeps the weights of the best periodic validation, but "
+                        "runner.eval_every=0 runs none. Set runner.eval_every=N (validate every N iterations) "
+                        "or runner.final_weights=last.")
+
+
 def _check_episode_fits(cfg: TrainConfig, rollout_steps: int, max_episode_steps: int) -> None:
     """GRPO scores whole episodes: each must end within one iteration."""
     if cfg.algorithm.advantage in OUTCOME_ADVANTAGES and rollout_steps < max_episode_steps:
@@ -283,17 +297,37 @@ class Trainer:
         self.iteration_seconds: list[float] = []
 
     # -- checkpoints ------------------------------------------------------------
-    def save(self) -> Path:
+    def _state(self) -> dict:
         from dataclasses import asdict
 
-        state = {
+        return {
             "actor": self.workers.actor_state(),
             "progress": asdict(self.progress),
             "config_yaml": to_yaml(self.cfg),
             "obs_spec": self.workers.obs_spec,
             "action_dim": self.workers.action_dim,
         }
-        return save_checkpoint(self.run_dir, self.progress.iteration, state)
+
+    def save(self) -> Path:
+        return save_checkpoint(self.run_dir, self.progress.iteration, self._state())
+
+    def _keep_if_best(self, success: float) -> None:
+        """Save the weights as checkpoints/best.pt if ``success`` beats every earlier validation
+        (ties keep the earlier: a later equal score is no evidence of a better policy)."""
+        p = self.progress
+        if p.best_eval_success is not None and success <= p.best_eval_success:
+            return
+        p.best_eval_success, p.best_iteration = success, p.iteration
+        save_best_checkpoint(self.run_dir, self._state())
+        self.log.scalars({"eval/best_success_once": success}, p.env_steps)
+
+    def _load_final_weights(self) -> dict:
+        """Load the weights ``runner.final_weights`` names; returns what the summary says of them."""
+        p = self.progress
+        if self.cfg.runner.final_weights == "last" or p.best_iteration is None:
+            return {"weights": "last", "iteration": p.iteration}
+        self.workers.load_actor_state(load_checkpoint(self.run_dir / "checkpoints" / BEST)["actor"], weights_only=True)
+        return {"weights": "best", "iteration": p.best_iteration, "validation_success_once": p.best_eval_success}
 
     # -- the loop ------------------------------------------------------------------
     def _time_is_up(self) -> bool:
@@ -323,6 +357,7 @@ class Trainer:
                 self._iterate()
                 if cfg.runner.eval_every and p.iteration % cfg.runner.eval_every == 0:
                     eval_history.append(self._periodic_eval(elapsed=time.perf_counter() - start))
+                    self._keep_if_best(eval_history[-1])
                 if cfg.runner.checkpoint_every and p.iteration % cfg.runner.checkpoint_every == 0:
                     self.save()
                 p.train_seconds += time.perf_counter() - start
@@ -376,11 +411,12 @@ class Trainer:
         # validation seeds, disjoint from the final evaluation's: stopping early on the
         # episodes that are then reported would flatter the result
         scheme = seed_scheme(cfg.env)
-        seeds = [scheme.train_seed(cfg.env, cfg.eval.seed + VALIDATION_SEED_OFFSET, k) for k in range(cfg.env.num_envs)]
+        episodes = cfg.runner.validation_episodes or cfg.env.num_envs
+        seeds = [scheme.train_seed(cfg.env, cfg.eval.seed + VALIDATION_SEED_OFFSET, k) for k in range(episodes)]
         rows, _ = self.workers.evaluate(seeds, cfg.eval.deterministic)
         success = _mean(rows, "success_once")
         self.log.scalars({"eval/success_once": success, "eval/success_at_end": _mean(rows, "success_at_end"),
-                          "eval/return": _mean(rows, "return")}, p.env_steps)
+                          "eval/return": _mean(rows, "return"), "eval/episodes": len(rows)}, p.env_steps)
         if success >= 0.9 and p.solved_at_seconds is None:
             p.solved_at_seconds = p.train_seconds + elapsed
             self.log.scalars({"time/solved_minutes": p.solved_at_seconds / 60}, p.env_steps)
@@ -389,9 +425,12 @@ class Trainer:
         return success
 
     def final_eval(self) -> dict:
+        """Evaluate the ``runner.final_weights`` weights (they stay loaded: train records their videos)."""
         cfg = self.cfg
+        weights = self._load_final_weights()
         rows, _ = self.workers.evaluate(seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval), cfg.eval.deterministic)
         summary = summarize(rows, cfg.env)
+        summary["evaluated"] = weights
         summary["training"] = {
             "iterations": self.progress.iteration,
             "env_steps": self.progress.env_steps,

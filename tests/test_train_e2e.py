@@ -182,3 +182,44 @@ def test_record_without_checkpoint_films_a_random_policy(tmp_path):
     frames = imageio.mimread(video)
     assert len(frames) == 50
     assert not (frames[0] == frames[-1]).all()  # the random arm moved
+
+
+def _scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_final_weights_best_evaluates_the_best_validation_not_the_last(ray_cluster, tmp_path):
+    cfg = small_config(f"runner.run_dir={tmp_path}", "runner.total_env_steps=120", "runner.eval_every=1",
+                       "runner.validation_episodes=6", "runner.final_weights=best")
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        summary = trainer.train()
+        evaluated = trainer.workers.actor.call("get_weights")[0]
+    finally:
+        trainer.close()
+    scores = _scalars(tmp_path, "eval/success_once")
+    assert [n for _, n in _scalars(tmp_path, "eval/episodes")] == [6, 6, 6]  # runner.validation_episodes
+    assert len(scores) == 3  # one validation after each of the 3 iterations (40 env steps each)
+    first_best = max(range(3), key=lambda i: (scores[i][1], -i))  # ties: the earliest
+    assert summary["evaluated"] == {"weights": "best", "iteration": first_best + 1,
+                                    "validation_success_once": pytest.approx(scores[first_best][1])}
+    best = load_checkpoint(tmp_path / "checkpoints" / "best.pt")
+    last = load_checkpoint(tmp_path)  # a run directory still resolves to its newest checkpoint
+    assert best["progress"]["iteration"] == first_best + 1 and last["progress"]["iteration"] == 3
+    for key, value in best["actor"]["policy"].items():  # the final eval ran the best weights
+        torch.testing.assert_close(evaluated[key], value, rtol=0, atol=0)
+    if first_best + 1 < 3:
+        assert any(not torch.equal(value, last["actor"]["policy"][key]) for key, value in best["actor"]["policy"].items())
+
+
+def test_final_weights_best_without_validations_is_a_config_error(tmp_path):
+    from embodied.errors import UserError
+
+    with pytest.raises(UserError, match="runner.eval_every=0 runs none"):
+        Trainer(small_config("runner.final_weights=best"), tmp_path)
+    with pytest.raises(UserError, match="final weights"):
+        Trainer(small_config("runner.final_weights=bset"), tmp_path)
