@@ -107,7 +107,7 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
         trainer.close()
     if cfg.eval.video_episodes:
         seeds = recording_seeds(cfg.env, cfg.eval, cfg.eval.video_episodes)
-        record_videos(policy, cfg.env, seeds, run_dir / "videos")
+        record_videos(policy, cfg.env, seeds, run_dir / "videos", cfg.eval.deterministic)
     t, weights = summary["training"], summary["evaluated"]
     print(table)
     print(f"trained {t['env_steps']} env steps in {t['train_minutes']:.1f} min "
