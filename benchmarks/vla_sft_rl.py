@@ -33,6 +33,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from embodied.evaluate import paired_gain
+
 ENV = ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.max_episode_steps=100"]
 # PPO for a warm-started policy: a smaller step, returns over a 25-decision episode (chunks of 4)
 RL = ["algorithm.lr=1e-4", "algorithm.gamma=0.9", "algorithm.gae_lambda=0.95", "algorithm.rollout_steps=25",
@@ -144,14 +146,17 @@ def main() -> None:
     rl_ckpt = rl_dir / "checkpoints" / "best.pt" if rl_eval["evaluated"]["weights"] == "best" else rl_dir
     num_envs = int(OmegaConf.load(rl_dir / "config.yaml").env.num_envs)
     before = json.loads((sft_dir / "eval.json").read_text())  # `embodied sft` evaluated it greedily
-    rows = {"sft": {"greedy": before["success_once"]}, "rl": {}}
+    summaries = {"sft": {"greedy": before}, "rl": {}}
     sft_protocols = ("sampled",) if before["episodes"] == args.eval_episodes else ("greedy", "sampled")
     eval_s = 0.0
     for name, ckpt, protocols in (("sft", sft_dir, sft_protocols), ("rl", rl_ckpt, ("greedy", "sampled"))):
         for protocol in protocols:
             summary, wall = evaluate(ckpt, out / "evals" / f"{name}_{protocol}", protocol == "sampled",
                                      num_envs, args.eval_episodes)
-            rows[name][protocol], eval_s = summary["success_once"], eval_s + wall
+            summaries[name][protocol], eval_s = summary, eval_s + wall
+    rows = {name: {p: s["success_once"] for p, s in by.items()} for name, by in summaries.items()}
+    # per-seed paired: both checkpoints ran the same seeds, so the seeds' difficulty cancels
+    gains = {p: paired_gain(summaries["sft"][p]["rows"], summaries["rl"][p]["rows"]) for p in ("greedy", "sampled")}
     total_s = time.perf_counter() - started + (sft_s if args.reuse_sft else 0.0)
     algorithm = str(OmegaConf.load(rl_dir / "config.yaml").algorithm.name).upper()
     rl_step = rl_eval["training"]["env_steps"] * rl_eval["evaluated"]["iteration"] // max(rl_eval["training"]["iterations"], 1)
@@ -159,7 +164,8 @@ def main() -> None:
     result = {
         "policy": args.policy, "rl_algorithm": algorithm, "eval_episodes": args.eval_episodes,
         "eval_seeds": before["seeds"][:1] + ["..."], "success_once": rows,
-        "gain_points": {p: 100 * (rows["rl"][p] - rows["sft"][p]) for p in ("greedy", "sampled")},
+        "gain_points": {p: 100 * g["gain"] for p, g in gains.items()},
+        "gain_points_ci95": {p: [100 * x for x in g["ci95"]] for p, g in gains.items()},
         "rl_weights": rl_eval["evaluated"], "rl_env_steps": rl_eval["training"]["env_steps"],
         "wall_minutes": {"sft": sft_s / 60, "rl": rl_s / 60, "evals": eval_s / 60, "total": total_s / 60},
         "learning_curve": str(png), "videos": str(rl_dir / "videos"),
@@ -174,9 +180,11 @@ def main() -> None:
           f"| + {algorithm}, {weights['weights']} weights (iteration {weights['iteration']} of "
           f"{rl_eval['training']['iterations']}, {result['rl_env_steps']} env steps) | {rows['rl']['greedy']:.3f} | "
           f"{rows['rl']['sampled']:.3f} | {rl_s / 60:.1f} |")
-    gains = result["gain_points"]
-    print(f"gain over {args.eval_episodes} episodes: {gains['greedy']:+.1f} points greedy, {gains['sampled']:+.1f} "
-          f"sampled; evaluations {eval_s / 60:.1f} min; whole pipeline {total_s / 60:.1f} min; curve {png}; "
+    for protocol, g in gains.items():
+        lo, hi = (100 * x for x in g["ci95"])
+        print(f"gain, {protocol}: {100 * g['gain']:+.1f} points (95% interval {lo:+.1f} to {hi:+.1f}, paired over "
+              f"{g['episodes']} seeds: {g['improved']} newly solved, {g['worsened']} lost)")
+    print(f"evaluations {eval_s / 60:.1f} min; whole pipeline {total_s / 60:.1f} min; curve {png}; "
           f"video in {rl_dir / 'videos'}")
 
 

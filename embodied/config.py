@@ -94,6 +94,9 @@ class AlgorithmConfig:
     # (its return) against its group's: A = (R - mean) / (std + 1e-6); later steps are not trained on
     group_size: int = 1
     filter_uniform_groups: bool = False  # GRPO: drop groups whose episodes all scored the same (A = 0)
+    # GRPO: "episode" weighs every episode the same in the loss (the GRPO paper's 1/|o_i|), "step"
+    # every step (DAPO's token-level sum: long, usually failed, episodes count more)
+    grpo_weighting: str = "episode"
 
 
 @dataclass

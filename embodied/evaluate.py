@@ -7,11 +7,15 @@ docs/libero_protocol.md), runs exactly once, and runs the task's full time limit
 success or not (terminations are ignored); ``success_once`` counts episodes
 successful at any step, ``success_at_end`` those successful at their last step.
 Actions are the policy's mean unless ``eval.deterministic=false``.
+
+Success rates carry a 95% Wilson interval, and :func:`paired_gain` compares two
+checkpoints on the same seeds: a gain a table reports is read with its uncertainty.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +23,42 @@ import torch
 
 from envs.registry import seed_scheme
 from envs.video import VideoRecorder
+
+Z95 = 1.959964  # two-sided 95% normal quantile
+
+
+def wilson_interval(successes: int, episodes: int, z: float = Z95) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate: unlike the normal approximation it stays
+    inside [0, 1] and is not zero-width at 0 or all successes. ``(0, 1)`` for no episodes."""
+    if episodes == 0:
+        return 0.0, 1.0
+    p, n = successes / episodes, episodes
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    # at 0 or all successes the bound is exactly 0 or 1; floating point would leave a 1e-17
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == episodes else min(1.0, centre + half)
+    return lo, hi
+
+
+def paired_gain(before: list[dict], after: list[dict], key: str = "success_once") -> dict:
+    """``after`` minus ``before`` over the same seeds, with a 95% interval from the per-seed
+    differences (a paired comparison: the seeds' own difficulty cancels out).
+
+    Returns ``{"gain", "ci95": [lo, hi], "episodes", "improved", "worsened"}`` (rates, not points).
+    """
+    first = {r["seed"]: float(r[key]) for r in before}
+    second = {r["seed"]: float(r[key]) for r in after}
+    if set(first) != set(second) or not first:
+        raise ValueError(f"paired_gain needs the same non-empty seeds on both sides; {len(set(first) ^ set(second))} "
+                         "seeds are in only one of them. Evaluate both checkpoints with the same eval.seed and eval.episodes.")
+    diffs = [second[s] - first[s] for s in first]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
+    half = Z95 * sd / math.sqrt(n)
+    return {"gain": mean, "ci95": [mean - half, mean + half], "episodes": n,
+            "improved": sum(d > 0 for d in diffs), "worsened": sum(d < 0 for d in diffs)}
 
 
 def _means(rows: list[dict]) -> dict:
@@ -30,6 +70,7 @@ def _means(rows: list[dict]) -> dict:
     return {
         "episodes": n,
         "success_once": mean("success_once"),
+        "success_once_ci95": list(wilson_interval(sum(bool(r["success_once"]) for r in rows), n)),
         "success_at_end": mean("success_at_end"),
         "return_mean": mean("return"),
         "episode_length_mean": mean("length"),
@@ -66,11 +107,13 @@ def summarize(rows: list[dict], env_cfg) -> dict:
 
 def markdown_table(summary: dict) -> str:
     """One row per task (when there are several), then the whole suite."""
-    head = "| task | episodes | success_once | success_at_end | return_mean |\n|---|---:|---:|---:|---:|\n"
+    head = ("| task | episodes | success_once | 95% interval | success_at_end | return_mean |\n"
+            "|---|---:|---:|---:|---:|---:|\n")
 
     def line(name: str, s: dict) -> str:
-        return (f"| {name} | {s['episodes']} | {s['success_once']:.3f} | {s['success_at_end']:.3f} | "
-                f"{s['return_mean']:.2f} |\n")
+        lo, hi = s.get("success_once_ci95") or (float("nan"), float("nan"))  # eval.json from before the interval
+        return (f"| {name} | {s['episodes']} | {s['success_once']:.3f} | {lo:.3f}-{hi:.3f} | "
+                f"{s['success_at_end']:.3f} | {s['return_mean']:.2f} |\n")
 
     tasks = summary.get("tasks", [])
     body = "".join(line(f"{t['task_index']}: {t['task']}", t) for t in tasks) if len(tasks) > 1 else ""

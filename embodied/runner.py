@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from embodied.algorithms.advantages import ADVANTAGES, OUTCOME_ADVANTAGES
+from embodied.algorithms.advantages import ADVANTAGES, GRPO_WEIGHTINGS, OUTCOME_ADVANTAGES
 from embodied.algorithms.logprob_levels import LOGPROB_LEVELS
 from embodied.algorithms.losses import LOSSES
 from embodied.checkpoint import BEST, load_checkpoint, save_best_checkpoint, save_checkpoint
@@ -62,6 +62,7 @@ class Workers:
             registry.get(name)
         check_placement(cfg.placement, cfg.env.num_envs)
         _check_groups(cfg)
+        _check_grpo_weighting(cfg)
         _check_final_weights(cfg)
         start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         devices = cluster_devices()
@@ -243,6 +244,12 @@ def _check_groups(cfg: TrainConfig) -> None:
         raise UserError(f"algorithm.group_size={algo.group_size}: GRPO compares the envs of a group, so it "
                         f"needs at least 2 per group, and groups must not span env workers or pipeline "
                         f"stages ({micro_batch} envs each here). Pick a group size >= 2 that divides {micro_batch}.")
+
+
+def _check_grpo_weighting(cfg: TrainConfig) -> None:
+    if cfg.algorithm.grpo_weighting not in GRPO_WEIGHTINGS:
+        raise unknown_name_error("GRPO weighting (algorithm.grpo_weighting)", cfg.algorithm.grpo_weighting,
+                                 list(GRPO_WEIGHTINGS))
 
 
 def _check_final_weights(cfg: TrainConfig) -> None:

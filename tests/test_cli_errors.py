@@ -18,6 +18,8 @@ CASES = {
     "missing warm-start checkpoint": (["train", "checkpoint=/nonexistent/run"], ["/nonexistent/run", "checkpoint="]),
     "unknown log-prob level": (["train", "algorithm.logprob_level=sentence"], ["algorithm.logprob_level", "action, chunk, token"]),
     "training the random baseline": (["train", "policy.name=random"], ["nothing to train", "policy=mlp"]),
+    "unknown GRPO weighting": (["train", "algorithm=grpo", "algorithm.grpo_weighting=token"],
+                               ["algorithm.grpo_weighting", "episode, step"]),
     "GRPO group too small": (["train", "algorithm=grpo", "algorithm.group_size=1"], ["group_size=1", ">= 2"]),
     "GRPO episode longer than an iteration": (["train", "algorithm=grpo", "algorithm.group_size=4", "env.num_envs=8",
                                                "algorithm.rollout_steps=10"], ["rollout_steps=10", "null"]),

@@ -7,7 +7,13 @@ import imageio.v2 as imageio
 import pytest
 
 from embodied.config import compose
-from embodied.evaluate import markdown_table, summarize, video_episodes
+from embodied.evaluate import (
+    markdown_table,
+    paired_gain,
+    summarize,
+    video_episodes,
+    wilson_interval,
+)
 from embodied.runner import Workers
 from envs.libero import decode_seed, episode_seed
 from envs.registry import seed_scheme
@@ -84,3 +90,46 @@ def test_cli_eval_on_libero_writes_the_per_task_table_and_a_video_per_task(tmp_p
     assert len(videos) == 10
     frames = imageio.mimread(videos[3])
     assert len(frames) == 5 and frames[0].shape[1] == 2 * frames[0].shape[0]  # agentview | wrist
+
+
+@pytest.mark.parametrize("successes,episodes", [(0, 10), (3, 10), (20, 100), (100, 100), (1, 1)])
+def test_wilson_interval_holds_the_rate_and_stays_in_the_unit_interval(successes, episodes):
+    lo, hi = wilson_interval(successes, episodes)
+    assert 0.0 <= lo <= successes / episodes <= hi <= 1.0
+    assert hi - lo > 0  # never falsely certain, not even at 0 or all successes
+    wider_lo, wider_hi = wilson_interval(successes, episodes, z=2.576)  # 99%
+    assert wider_lo <= lo and hi <= wider_hi
+
+
+def test_wilson_interval_matches_the_textbook_value_and_narrows_with_episodes():
+    # 20 of 100: the Wilson 95% interval is 0.133-0.289 (Newcombe 1998's method 3)
+    assert wilson_interval(20, 100) == pytest.approx((0.1333, 0.2888), abs=1e-4)
+    widths = [hi - lo for lo, hi in (wilson_interval(n // 5, n) for n in (25, 100, 400))]
+    assert widths[0] > widths[1] > widths[2] and widths[1] == pytest.approx(2 * widths[2], rel=0.1)
+
+
+def test_paired_gain_is_the_mean_per_seed_difference_with_a_t_like_interval():
+    before = [{"seed": s, "success_once": s % 2 == 0} for s in range(8)]
+    after = [{"seed": s, "success_once": s % 2 == 0 or s in (1, 3, 5)} for s in reversed(range(8))]  # any order
+    gain = paired_gain(before, after)
+    diffs = [1, 1, 1] + [0] * 5
+    sd = (sum((d - 3 / 8) ** 2 for d in diffs) / 7) ** 0.5
+    assert gain["gain"] == pytest.approx(3 / 8) and gain["episodes"] == 8
+    assert gain["ci95"] == pytest.approx([3 / 8 - 1.96 * sd / 8 ** 0.5, 3 / 8 + 1.96 * sd / 8 ** 0.5], rel=1e-3)
+    assert (gain["improved"], gain["worsened"]) == (3, 0)
+    assert paired_gain(before, before)["ci95"] == [0.0, 0.0]
+
+
+def test_paired_gain_refuses_different_seeds():
+    rows = [{"seed": s, "success_once": True} for s in range(4)]
+    with pytest.raises(ValueError, match="same non-empty seeds"):
+        paired_gain(rows, rows[:3])
+
+
+def test_eval_summary_and_table_carry_the_success_interval():
+    cfg = compose([]).env
+    rows = [{"seed": k, "success_once": k < 20, "success_at_end": k < 10, "return": 1.0, "length": 50}
+            for k in range(100)]
+    summary = summarize(rows, cfg)
+    assert summary["success_once_ci95"] == pytest.approx(list(wilson_interval(20, 100)))
+    assert "| 0.133-0.289 |" in markdown_table(summary)

@@ -12,8 +12,9 @@ from embodied.algorithms.losses import ppo_loss
 from embodied.algorithms.ppo import flatten_time
 
 
-def reference_grpo(rewards, dones, group_size, filter_uniform, eps=1e-6):
-    """Per env: the return of its first episode; per group: mean and (unbiased) std."""
+def reference_grpo(rewards, dones, group_size, filter_uniform, weighting="step", eps=1e-6):
+    """Per env: the return of its first episode; per group: mean and (unbiased) std;
+    ``weighting="episode"``: each trained episode's advantage times mean length / its length."""
     T, B = len(rewards), len(rewards[0])
     outcome, length = [0.0] * B, [None] * B
     for b in range(B):
@@ -36,13 +37,18 @@ def reference_grpo(rewards, dones, group_size, filter_uniform, eps=1e-6):
             for t in range(length[b]):
                 valid[t][b] = True
                 adv[t][b] = (outcome[b] - mean) / (std + eps)
+    if weighting == "episode":
+        trained = [sum(valid[t][b] for t in range(T)) for b in range(B)]
+        mean_length = sum(n for n in trained if n) / max(sum(1 for n in trained if n), 1)
+        adv = [[a * mean_length / trained[b] if trained[b] else a for b, a in enumerate(row)] for row in adv]
     return adv, valid
 
 
 @pytest.mark.parametrize("group_size", [2, 4])
 @pytest.mark.parametrize("filter_uniform", [False, True])
+@pytest.mark.parametrize("weighting", ["episode", "step"])
 @pytest.mark.parametrize("seed", range(4))
-def test_grpo_matches_reference_loop(group_size, filter_uniform, seed):
+def test_grpo_matches_reference_loop(group_size, filter_uniform, weighting, seed):
     g = torch.Generator().manual_seed(seed)
     T, B = 9, 8
     dones = torch.rand(T, B, generator=g) < 0.25
@@ -50,8 +56,8 @@ def test_grpo_matches_reference_loop(group_size, filter_uniform, seed):
     # sparse success rewards, as LIBERO's: 1 at the step the episode succeeds
     rewards = (dones & (torch.rand(T, B, generator=g) < 0.5)).double()
     rewards[:, :group_size] = 0.0  # one group all failures: uniform
-    adv, valid = grpo_advantages(rewards, dones, group_size, filter_uniform)
-    ref_adv, ref_valid = reference_grpo(rewards.tolist(), dones.tolist(), group_size, filter_uniform)
+    adv, valid = grpo_advantages(rewards, dones, group_size, filter_uniform, weighting)
+    ref_adv, ref_valid = reference_grpo(rewards.tolist(), dones.tolist(), group_size, filter_uniform, weighting)
     assert valid.tolist() == ref_valid
     torch.testing.assert_close(adv, torch.tensor(ref_adv, dtype=adv.dtype))
     if filter_uniform:
@@ -66,6 +72,23 @@ def test_group_advantages_sum_to_zero_and_rank_outcomes():
     adv, valid = grpo_advantages(rewards, dones, group_size=2)
     assert adv[0, 0] > 0 > adv[0, 1] and adv[0, 0] == -adv[0, 1]
     assert (adv[:, 2:] == 0).all() and valid.all()
+
+
+def test_episode_weighting_balances_a_group_whose_success_ended_early():
+    """One success in 2 steps, one failure in 6: per step, the failure would weigh 3x as much
+    and the summed advantage of the group's steps would be negative; per episode it is zero."""
+    rewards, dones = torch.zeros(6, 2), torch.zeros(6, 2, dtype=torch.bool)
+    dones[1, 0], rewards[1, 0], dones[5, 1] = True, 1.0, True
+    by_step, valid = grpo_advantages(rewards, dones, group_size=2, weighting="step")
+    by_episode, _ = grpo_advantages(rewards, dones, group_size=2, weighting="episode")
+    assert by_step.sum() < 0 and by_episode.sum().abs() < 1e-6
+    assert by_episode[0, 0] > 0 > by_episode[0, 1] and valid.sum() == 8
+    assert by_episode[valid].abs().mean() == pytest.approx(by_step[valid].abs().mean(), rel=0.5)  # lr keeps its scale
+
+
+def test_unknown_grpo_weighting_is_refused():
+    with pytest.raises(ValueError, match="episode"):
+        grpo_advantages(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bool), group_size=2, weighting="token")
 
 
 def test_first_episode_mask_stops_after_the_first_done():

@@ -40,8 +40,13 @@ def first_episode_mask(dones: torch.Tensor) -> torch.Tensor:
     return ended_before == 0
 
 
+# how GRPO's loss weighs an episode's steps (algorithm.grpo_weighting)
+GRPO_WEIGHTINGS = ("episode", "step")
+
+
 def grpo_advantages(rewards: torch.Tensor, dones: torch.Tensor, group_size: int,
-                    filter_uniform: bool = False, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                    filter_uniform: bool = False, weighting: str = "episode",
+                    eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative outcome advantages (GRPO, Shao et al. 2024) for one episode per env.
 
     Env ``b`` belongs to group ``b // group_size``; a group's envs started from one initial
@@ -49,6 +54,13 @@ def grpo_advantages(rewards: torch.Tensor, dones: torch.Tensor, group_size: int,
     ``R_b``; every step of it gets ``(R_b - mean_g) / (std_g + eps)`` (``std``: unbiased, as
     GRPO). Returns ``(advantages[T, B], valid[T, B])``: ``valid`` covers the first episodes,
     minus, with ``filter_uniform``, groups whose returns are all equal (no signal).
+
+    ``weighting``: the loss averages over steps, so an episode of ``L_b`` steps would weigh
+    ``L_b`` times; ``"episode"`` (GRPO's ``1/|o_i|``) scales its advantages by ``mean(L) / L_b``
+    so every episode weighs the same and a group's advantages still sum to zero over its
+    steps. ``"step"`` (DAPO's token-level sum) leaves them: long episodes (failures, when
+    success ends an episode) then outweigh short ones and the update pushes sampled actions
+    down on balance, raising the policy's entropy.
     """
     T, B = rewards.shape
     if B % group_size:
@@ -60,6 +72,13 @@ def grpo_advantages(rewards: torch.Tensor, dones: torch.Tensor, group_size: int,
     if filter_uniform:
         varied = (outcome != outcome[:, :1]).any(dim=1, keepdim=True).expand(-1, group_size)
         valid = valid & varied.reshape(1, B)
+    if weighting == "episode":
+        lengths = valid.sum(dim=0).to(score.dtype)  # [B]; 0 for envs not trained on
+        trained = lengths > 0
+        if bool(trained.any()):
+            score = torch.where(trained, score * lengths[trained].mean() / lengths.clamp(min=1), score)
+    elif weighting != "step":
+        raise ValueError(f"unknown GRPO weighting {weighting!r}; expected one of {GRPO_WEIGHTINGS}")
     return score.expand(T, B) * valid, valid
 
 
@@ -73,5 +92,5 @@ def gae_estimator(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.T
 @ADVANTAGES.register("grpo")
 def grpo_estimator(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     advantages, valid = grpo_advantages(batch["rewards"], batch["dones"], cfg.group_size,
-                                        cfg.filter_uniform_groups)
+                                        cfg.filter_uniform_groups, cfg.grpo_weighting)
     return advantages, batch["values"], valid  # returns = values: no value loss (there is no critic)
