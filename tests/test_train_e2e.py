@@ -193,8 +193,9 @@ def _scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_final_weights_best_evaluates_the_best_validation_not_the_last(ray_cluster, tmp_path):
+    # short episodes and validations of 6 on 4 envs (a padded second round): the suite's time budget
     cfg = small_config(f"runner.run_dir={tmp_path}", "runner.total_env_steps=120", "runner.eval_every=1",
-                       "runner.validation_episodes=6", "runner.final_weights=best")
+                       "runner.validation_episodes=6", "runner.final_weights=best", "env.max_episode_steps=20")
     trainer = Trainer(cfg, tmp_path)
     try:
         summary = trainer.train()
