@@ -60,7 +60,7 @@ def grpo_advantages(rewards: torch.Tensor, dones: torch.Tensor, group_size: int,
     so every episode weighs the same and a group's advantages still sum to zero over its
     steps. ``"step"`` (DAPO's token-level sum) leaves them: long episodes (failures, when
     success ends an episode) then outweigh short ones and the update pushes sampled actions
-    down on balance, raising the policy's entropy.
+    down on balance.
     """
     T, B = rewards.shape
     if B % group_size:
