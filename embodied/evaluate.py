@@ -111,7 +111,7 @@ def markdown_table(summary: dict) -> str:
             "|---|---:|---:|---:|---:|---:|\n")
 
     def line(name: str, s: dict) -> str:
-        lo, hi = s.get("success_once_ci95") or (float("nan"), float("nan"))  # eval.json from before the interval
+        lo, hi = s["success_once_ci95"]
         return (f"| {name} | {s['episodes']} | {s['success_once']:.3f} | {lo:.3f}-{hi:.3f} | "
                 f"{s['success_at_end']:.3f} | {s['return_mean']:.2f} |\n")
 

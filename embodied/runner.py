@@ -58,11 +58,11 @@ class Workers:
         check_policy_config(cfg.policy)
         for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
                                (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap),
-                               (LOGPROB_LEVELS, cfg.algorithm.logprob_level)):
+                               (LOGPROB_LEVELS, cfg.algorithm.logprob_level),
+                               (GRPO_WEIGHTINGS, cfg.algorithm.grpo_weighting)):
             registry.get(name)
         check_placement(cfg.placement, cfg.env.num_envs)
         _check_groups(cfg)
-        _check_grpo_weighting(cfg)
         _check_final_weights(cfg)
         start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         devices = cluster_devices()
@@ -244,12 +244,6 @@ def _check_groups(cfg: TrainConfig) -> None:
         raise UserError(f"algorithm.group_size={algo.group_size}: GRPO compares the envs of a group, so it "
                         f"needs at least 2 per group, and groups must not span env workers or pipeline "
                         f"stages ({micro_batch} envs each here). Pick a group size >= 2 that divides {micro_batch}.")
-
-
-def _check_grpo_weighting(cfg: TrainConfig) -> None:
-    if cfg.algorithm.grpo_weighting not in GRPO_WEIGHTINGS:
-        raise unknown_name_error("GRPO weighting (algorithm.grpo_weighting)", cfg.algorithm.grpo_weighting,
-                                 list(GRPO_WEIGHTINGS))
 
 
 def _check_final_weights(cfg: TrainConfig) -> None:

@@ -87,7 +87,9 @@ def test_episode_weighting_balances_a_group_whose_success_ended_early():
 
 
 def test_unknown_grpo_weighting_is_refused():
-    with pytest.raises(ValueError, match="episode"):
+    from embodied.errors import UserError
+
+    with pytest.raises(UserError, match="episode"):
         grpo_advantages(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bool), group_size=2, weighting="token")
 
 

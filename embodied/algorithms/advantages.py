@@ -40,8 +40,21 @@ def first_episode_mask(dones: torch.Tensor) -> torch.Tensor:
     return ended_before == 0
 
 
-# how GRPO's loss weighs an episode's steps (algorithm.grpo_weighting)
-GRPO_WEIGHTINGS = ("episode", "step")
+# how GRPO's loss weighs an episode's steps (algorithm.grpo_weighting): lengths [B] -> scale [B]
+GRPO_WEIGHTINGS = Registry("GRPO weighting (algorithm.grpo_weighting)")
+
+
+@GRPO_WEIGHTINGS.register("episode")
+def _every_episode_the_same(lengths: torch.Tensor) -> torch.Tensor:
+    trained = lengths > 0  # envs not trained on keep scale 1 (their advantages are masked anyway)
+    if not bool(trained.any()):
+        return torch.ones_like(lengths)
+    return torch.where(trained, lengths[trained].mean() / lengths.clamp(min=1), torch.ones_like(lengths))
+
+
+@GRPO_WEIGHTINGS.register("step")
+def _every_step_the_same(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(lengths)
 
 
 def grpo_advantages(rewards: torch.Tensor, dones: torch.Tensor, group_size: int,
@@ -72,13 +85,7 @@ def grpo_advantages(rewards: torch.Tensor, dones: torch.Tensor, group_size: int,
     if filter_uniform:
         varied = (outcome != outcome[:, :1]).any(dim=1, keepdim=True).expand(-1, group_size)
         valid = valid & varied.reshape(1, B)
-    if weighting == "episode":
-        lengths = valid.sum(dim=0).to(score.dtype)  # [B]; 0 for envs not trained on
-        trained = lengths > 0
-        if bool(trained.any()):
-            score = torch.where(trained, score * lengths[trained].mean() / lengths.clamp(min=1), score)
-    elif weighting != "step":
-        raise ValueError(f"unknown GRPO weighting {weighting!r}; expected one of {GRPO_WEIGHTINGS}")
+    score = score * GRPO_WEIGHTINGS.get(weighting)(valid.sum(dim=0).to(score.dtype))
     return score.expand(T, B) * valid, valid
 
 
