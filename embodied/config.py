@@ -97,6 +97,10 @@ class AlgorithmConfig:
     # GRPO: "episode" weighs every episode the same in the loss (the GRPO paper's 1/|o_i|), "step"
     # every step (DAPO's token-level sum: long, usually failed, episodes count more)
     grpo_weighting: str = "episode"
+    # PPO from a warm start: the first N updates train only the critic (no policy loss; only the
+    # policy's critic parameters step), so a fresh value head's random advantages never move the
+    # warm-started actor. 0: actor and critic from the first update
+    critic_warmup_iterations: int = 0
 
 
 @dataclass

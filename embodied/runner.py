@@ -64,6 +64,7 @@ class Workers:
         check_placement(cfg.placement, cfg.env.num_envs)
         _check_groups(cfg)
         _check_final_weights(cfg)
+        _check_critic_warmup(cfg)
         start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         devices = cluster_devices()
         self.auto: AutoPlan | None = None
@@ -174,14 +175,15 @@ class Workers:
         }
         return [row for out in env_out for row in out["episodes"]], trajectory_refs, times
 
-    def update(self, trajectory_refs: list) -> tuple[dict, dict]:
-        """Give the devices to the actor and run one PPO update. Returns (stats, timings)."""
+    def update(self, trajectory_refs: list, critic_only: bool = False) -> tuple[dict, dict]:
+        """Give the devices to the actor and run one PPO update (``critic_only``: critic warm-up).
+        Returns (stats, timings)."""
         import ray
 
         switch = self.switcher.turn("train")
         t0 = time.perf_counter()
         # trajectories go rollout -> actor through the object store, never via the driver
-        stats = ray.get(self.actor.workers[0].update.remote(*trajectory_refs))
+        stats = ray.get(self.actor.workers[0].update.remote(*trajectory_refs, critic_only=critic_only))
         self._weights_stale = True
         return stats, {"update_s": time.perf_counter() - t0, **{f"train_{k}": v for k, v in switch.items()}}
 
@@ -255,6 +257,19 @@ def _check_final_weights(cfg: TrainConfig) -> None:
         raise UserError("runner.final_weights=best keeps the weights of the best periodic validation, but "
                         "runner.eval_every=0 runs none. Set runner.eval_every=N (validate every N iterations) "
                         "or runner.final_weights=last.")
+
+
+def _check_critic_warmup(cfg: TrainConfig) -> None:
+    """Critic warm-up trains a value function: GRPO (vf_coef 0) has none to train."""
+    algo = cfg.algorithm
+    if algo.critic_warmup_iterations < 0:
+        raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations}: it counts "
+                        "updates, so it must be 0 (no warm-up) or more.")
+    if algo.critic_warmup_iterations and (algo.vf_coef == 0 or algo.advantage in OUTCOME_ADVANTAGES):
+        raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations} trains only the "
+                        f"value function, but algorithm={algo.name} (advantage {algo.advantage}, vf_coef "
+                        f"{algo.vf_coef}) uses none: those updates would change nothing. Set "
+                        "algorithm.critic_warmup_iterations=0, or use PPO (algorithm=ppo).")
 
 
 def _check_episode_fits(cfg: TrainConfig, rollout_steps: int, max_episode_steps: int) -> None:
@@ -383,7 +398,8 @@ class Trainer:
             self._reset_envs()
         sync = self.workers.prepare_generation()
         episodes, trajectories, times = self.workers.rollout_steps(self.workers.steps_per_rollout)
-        stats, update_times = self.workers.update(trajectories)
+        warming_up = p.iteration < self.cfg.algorithm.critic_warmup_iterations
+        stats, update_times = self.workers.update(trajectories, critic_only=warming_up)
         t2 = time.perf_counter()
         self.iteration_seconds.append(t2 - t0)
         p.iteration += 1

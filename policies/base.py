@@ -109,6 +109,7 @@ class GaussianActorCritic(nn.Module):
     """Base class: subclasses define ``actor_mean(obs)`` and ``value(obs)``."""
 
     chunks = False  # one action per decision (policy.chunk_size must be 1)
+    critic_modules: tuple[str, ...] = ("critic",)  # the value function's own modules (critic warm-up trains only these)
 
     def __init__(self, action_dim: int, log_std_init: float):
         super().__init__()

@@ -20,6 +20,7 @@ class RandomPolicy(GaussianActorCritic):
     """
 
     trainable = False
+    critic_modules = ()
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__(action_dim, cfg.log_std_init)  # log_std: an unused parameter, so weight sync has one

@@ -20,6 +20,8 @@ CASES = {
     "training the random baseline": (["train", "policy.name=random"], ["nothing to train", "policy=mlp"]),
     "unknown GRPO weighting": (["train", "algorithm=grpo", "algorithm.grpo_weighting=token"],
                                ["algorithm.grpo_weighting", "episode, step"]),
+    "critic warm-up without a critic": (["train", "algorithm=grpo", "algorithm.critic_warmup_iterations=3"],
+                                        ["critic_warmup_iterations=3", "algorithm=ppo"]),
     "GRPO group too small": (["train", "algorithm=grpo", "algorithm.group_size=1"], ["group_size=1", ">= 2"]),
     "GRPO episode longer than an iteration": (["train", "algorithm=grpo", "algorithm.group_size=4", "env.num_envs=8",
                                                "algorithm.rollout_steps=10"], ["rollout_steps=10", "null"]),

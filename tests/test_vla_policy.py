@@ -199,3 +199,33 @@ def test_openvla_prompts_end_with_the_empty_piece_its_training_saw():
     assert torch.equal(ids[:, :-1], plain) and ids[:, -1].tolist() == [7, 7] and mask[:, -1].tolist() == [1, 1]
     policy.empty_piece = int(plain[0, -1])  # the prompt already ends with it: nothing appended
     assert torch.equal(policy._prompt_ids(_obs(2))[0], plain)
+
+
+@pytest.mark.parametrize("model", ["cnn", "openvla_oft_tiny"])
+def test_critic_warmup_update_trains_only_the_critic_and_fits_the_returns(model):
+    """Both share an encoder between actor and critic: a critic-only update must leave the encoder
+    and the actor bit-identical (the warm start's actions unchanged) while the value loss falls."""
+    if model == "cnn":
+        torch.manual_seed(0)
+        policy = make_policy(compose(["policy=cnn"]).policy, SPEC, ACTION_DIM)
+    else:
+        policy = _policy(model)
+    obs = _obs(16)
+    actions, logprob, value = policy.act(obs)
+    rewards = torch.linspace(-1, 1, 16)[None]
+    batch = {"obs": {k: v[None] for k, v in obs.items()}, "actions": actions[None], "logprobs": logprob[None],
+             "values": value[None], "rewards": rewards, "dones": torch.ones(1, 16, dtype=torch.bool),
+             "next_value": torch.zeros(16)}
+    cfg = compose(["algorithm.update_epochs=20", "algorithm.num_minibatches=1", "algorithm.target_kl=null"]).algorithm
+    critic = {n for n, _ in policy.named_parameters() if n.startswith(policy.critic_modules)}
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    stats = ppo_update(policy, optimizer, batch, cfg, critic_only=True)
+    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert critic and changed == critic
+    assert stats["critic_only"] == 1.0
+    new_value = policy.value(obs)
+    assert ((new_value - rewards[0]) ** 2).mean() < 0.5 * ((value - rewards[0]) ** 2).mean()
+    # the next, full update moves the actor too
+    ppo_update(policy, optimizer, batch, compose(["algorithm.update_epochs=1"]).algorithm)
+    assert any(not torch.equal(p, before[n]) for n, p in policy.named_parameters() if n not in critic)

@@ -13,6 +13,14 @@ from embodied.registry import Registry
 LOSSES = Registry("loss (algorithm.loss)")
 
 
+def critic_loss(new_value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor, cfg) -> torch.Tensor:
+    """``0.5 * mean((V - R)^2)``; with ``clip_vloss``, V moves at most ``clip_coef`` from the rollout's value."""
+    if cfg.clip_vloss:
+        clipped = old_value + (new_value - old_value).clamp(-cfg.clip_coef, cfg.clip_coef)
+        return 0.5 * torch.max((new_value - returns) ** 2, (clipped - returns) ** 2).mean()
+    return 0.5 * ((new_value - returns) ** 2).mean()
+
+
 @LOSSES.register("ppo")
 def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
              new_value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor,
@@ -32,11 +40,7 @@ def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: t
         -advantages * ratio,
         -advantages * ratio.clamp(1 - cfg.clip_coef, 1 + clip_high),
     ).mean()
-    if cfg.clip_vloss:
-        clipped = old_value + (new_value - old_value).clamp(-cfg.clip_coef, cfg.clip_coef)
-        value_loss = 0.5 * torch.max((new_value - returns) ** 2, (clipped - returns) ** 2).mean()
-    else:
-        value_loss = 0.5 * ((new_value - returns) ** 2).mean()
+    value_loss = critic_loss(new_value, old_value, returns, cfg)
     entropy_mean = entropy.mean()
     loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy_mean
     with torch.no_grad():

@@ -13,7 +13,7 @@ from torch import nn
 
 from embodied.algorithms.advantages import ADVANTAGES
 from embodied.algorithms.logprob_levels import group_logprobs
-from embodied.algorithms.losses import LOSSES
+from embodied.algorithms.losses import LOSSES, critic_loss
 
 
 def compute_advantages(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,9 +36,20 @@ def flatten_time(batch: dict, advantages: torch.Tensor, returns: torch.Tensor,
     return flat
 
 
+def critic_parameters(policy: nn.Module) -> set[int]:
+    """``id``s of the parameters only the value function uses: the modules named in the policy's
+    ``critic_modules`` (a shared encoder is the actor's too, so it is not among them)."""
+    return {id(p) for name in policy.critic_modules for p in policy.get_submodule(name).parameters()}
+
+
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, cfg,
-               generator: torch.Generator | None = None) -> dict[str, float]:
-    """Run ``cfg.update_epochs`` epochs over ``batch``; returns mean training statistics."""
+               generator: torch.Generator | None = None, critic_only: bool = False) -> dict[str, float]:
+    """Run ``cfg.update_epochs`` epochs over ``batch``; returns mean training statistics.
+
+    ``critic_only`` (critic warm-up): the loss is the value loss alone and only the critic's own
+    parameters step, so the actor, shared encoder included, stays exactly as it was.
+    """
+    critic = critic_parameters(policy) if critic_only else set()
     advantages, returns, valid = compute_advantages(batch, cfg)
     data = flatten_time(batch, advantages, returns, valid)
     n = data["actions"].shape[0]
@@ -62,8 +73,14 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
                 data["values"][idx],
                 data["returns"][idx], entropy, cfg,
             )
+            if critic_only:
+                loss = cfg.vf_coef * critic_loss(new_value, data["values"][idx], data["returns"][idx], cfg)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if critic_only:
+                for param in policy.parameters():
+                    if id(param) not in critic:
+                        param.grad = None  # Adam skips a parameter without a gradient
             grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
             optimizer.step()
             step_stats["grad_norm"] = float(grad_norm)
@@ -76,6 +93,7 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
     out = {k: sum(v) / len(v) for k, v in stats.items() if k != "epochs"}
     out["epochs"] = float(len(stats["epochs"]))
     out["samples"] = float(n)
+    out["critic_only"] = float(critic_only)
     var_returns = data["returns"].var()
     out["explained_variance"] = float(1 - (data["returns"] - data["values"]).var() / var_returns) if var_returns > 0 else 0.0
     return out

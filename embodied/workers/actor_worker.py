@@ -61,14 +61,15 @@ class ActorWorker(Worker):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def update(self, *trajectories: dict) -> dict[str, float]:
-        """One PPO update on the trajectories of every rollout worker."""
+    def update(self, *trajectories: dict, critic_only: bool = False) -> dict[str, float]:
+        """One PPO update on the trajectories of every rollout worker (``critic_only``: the value function's)."""
         batch = merge_trajectories(list(trajectories))
         batch = _to(batch, self.device)
         self.policy.train()
         torch.set_num_threads(self.update_threads)
         with self.all_cores():  # env and rollout workers wait for the new weights: their cores are free
-            return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator)
+            return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator,
+                              critic_only=critic_only)
 
     def state(self) -> dict:
         """Everything a checkpoint needs to continue training exactly."""

@@ -59,6 +59,7 @@ class TokenVLAPolicy(nn.Module):
     """
 
     chunks = True  # policy.chunk_size actions per decision
+    critic_modules = ("value_head",)  # the backbone is the actor's: critic warm-up trains the head alone
 
     def _run(self, obs: dict[str, torch.Tensor], action_ids: torch.Tensor | None = None,
              use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor, DecodeState]:
