@@ -101,6 +101,9 @@ class AlgorithmConfig:
     # policy's critic parameters step), so a fresh value head's random advantages never move the
     # warm-started actor. 0: actor and critic from the first update
     critic_warmup_iterations: int = 0
+    # learning rate of the critic's own parameters (a VLA's new value head needs a far larger one than
+    # the fine-tuned backbone); None: algorithm.lr. anneal_lr scales both alike
+    critic_lr: float | None = None
 
 
 @dataclass

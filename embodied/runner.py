@@ -64,7 +64,7 @@ class Workers:
         check_placement(cfg.placement, cfg.env.num_envs)
         _check_groups(cfg)
         _check_final_weights(cfg)
-        _check_critic_warmup(cfg)
+        _check_critic(cfg)
         start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         devices = cluster_devices()
         self.auto: AutoPlan | None = None
@@ -259,12 +259,15 @@ def _check_final_weights(cfg: TrainConfig) -> None:
                         "or runner.final_weights=last.")
 
 
-def _check_critic_warmup(cfg: TrainConfig) -> None:
-    """Critic warm-up trains a value function: GRPO (vf_coef 0) has none to train."""
+def _check_critic(cfg: TrainConfig) -> None:
+    """Critic warm-up trains a value function (GRPO, vf_coef 0, has none); critic_lr is a rate."""
     algo = cfg.algorithm
     if algo.critic_warmup_iterations < 0:
         raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations}: it counts "
                         "updates, so it must be 0 (no warm-up) or more.")
+    if algo.critic_lr is not None and algo.critic_lr <= 0:
+        raise UserError(f"algorithm.critic_lr={algo.critic_lr}: a learning rate must be > 0 "
+                        "(or null: the critic learns at algorithm.lr).")
     if algo.critic_warmup_iterations and (algo.vf_coef == 0 or algo.advantage in OUTCOME_ADVANTAGES):
         raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations} trains only the "
                         f"value function, but algorithm={algo.name} (advantage {algo.advantage}, vf_coef "

@@ -2,6 +2,8 @@
 log-probs at every level, sampling, action chunks, LoRA, loading a saved directory."""
 
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -229,3 +231,20 @@ def test_critic_warmup_update_trains_only_the_critic_and_fits_the_returns(model)
     # the next, full update moves the actor too
     ppo_update(policy, optimizer, batch, compose(["algorithm.update_epochs=1"]).algorithm)
     assert any(not torch.equal(p, before[n]) for n, p in policy.named_parameters() if n not in critic)
+
+
+def test_critic_lr_puts_the_critic_in_its_own_group_and_annealing_keeps_the_ratio():
+    from embodied.algorithms.ppo import optimizer_groups
+    from embodied.workers.actor_worker import ActorWorker
+
+    policy = _policy("openvla_oft_tiny")
+    cfg = compose(["algorithm.lr=1e-5", "algorithm.critic_lr=1e-3"]).algorithm
+    actor_group, critic_group = optimizer_groups(policy, cfg)
+    head = {id(p) for p in policy.value_head.parameters()}
+    assert {id(p) for p in critic_group["params"]} == head and critic_group["lr"] == 1e-3
+    assert not head & {id(p) for p in actor_group["params"]} and actor_group["lr"] == 1e-5
+    assert len(actor_group["params"]) + len(critic_group["params"]) == len(list(policy.parameters()))
+    optimizer = torch.optim.Adam(optimizer_groups(policy, cfg))
+    ActorWorker.set_lr(SimpleNamespace(optimizer=optimizer), 0.5e-5)  # annealed to half
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.5e-5, 0.5e-3])
+    assert len(optimizer_groups(policy, compose([]).algorithm)) == 1  # no critic_lr: one group, as before

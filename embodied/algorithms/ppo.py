@@ -42,6 +42,19 @@ def critic_parameters(policy: nn.Module) -> set[int]:
     return {id(p) for name in policy.critic_modules for p in policy.get_submodule(name).parameters()}
 
 
+def optimizer_groups(policy: nn.Module, cfg) -> list[dict]:
+    """The trainable parameters as optimizer groups: one at ``cfg.lr``, or, with ``cfg.critic_lr``,
+    the critic's own parameters in a second group at that rate. ``lr_scale`` is each group's rate
+    over ``cfg.lr``, which annealing keeps (see ``ActorWorker.set_lr``)."""
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    if cfg.critic_lr is None:
+        return [{"params": trainable, "lr": cfg.lr, "lr_scale": 1.0}]
+    critic = critic_parameters(policy)
+    return [{"params": [p for p in trainable if id(p) not in critic], "lr": cfg.lr, "lr_scale": 1.0},
+            {"params": [p for p in trainable if id(p) in critic], "lr": cfg.critic_lr,
+             "lr_scale": cfg.critic_lr / cfg.lr}]
+
+
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, cfg,
                generator: torch.Generator | None = None, critic_only: bool = False) -> dict[str, float]:
     """Run ``cfg.update_epochs`` epochs over ``batch``; returns mean training statistics.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from embodied.algorithms.ppo import ppo_update
+from embodied.algorithms.ppo import optimizer_groups, ppo_update
 from embodied.workers.rollout_worker import merge_trajectories
 from policies.registry import make_policy
 from scheduler.offload import DeviceState
@@ -27,8 +27,8 @@ class ActorWorker(Worker):
         torch.manual_seed(seed)
         self.cfg = algorithm_cfg
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
-        trainable = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: adapters + value head
-        self.optimizer = torch.optim.Adam(trainable, lr=algorithm_cfg.lr, eps=1e-5)
+        # only trainable parameters (LoRA: adapters + value head); the critic's in a group of its own with critic_lr
+        self.optimizer = torch.optim.Adam(optimizer_groups(self.policy, algorithm_cfg), lr=algorithm_cfg.lr, eps=1e-5)
         self.generator = torch.Generator().manual_seed(seed)
         self.device_state = DeviceState(self.policy, self.optimizer)
         self.shared: SharedWeights | None = None
@@ -58,8 +58,9 @@ class ActorWorker(Worker):
         return broadcast_module(self.policy, src=0)
 
     def set_lr(self, lr: float) -> None:
+        """Set ``algorithm.lr``'s current value; a critic group keeps its ratio to it."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
 
     def update(self, *trajectories: dict, critic_only: bool = False) -> dict[str, float]:
         """One PPO update on the trajectories of every rollout worker (``critic_only``: the value function's)."""
