@@ -60,7 +60,8 @@ class ActorWorker(Worker):
     def set_lr(self, lr: float) -> None:
         """Set ``algorithm.lr``'s current value; a critic group keeps its ratio to it."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group["lr_scale"]
+            # optimizer states saved before critic_lr existed carry no lr_scale: one group at lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
 
     def update(self, *trajectories: dict, critic_only: bool = False) -> dict[str, float]:
         """One PPO update on the trajectories of every rollout worker (``critic_only``: the value function's)."""
