@@ -178,7 +178,7 @@ def cmd_eval(overrides: list[str]) -> int:
         print(f"note: no checkpoint given: evaluating policy={cfg.policy.name} as initialised", file=sys.stderr)
     t0 = time.perf_counter()
     rows, videos, max_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)
-    summary = summarize(rows, cfg.env)
+    summary = summarize(rows, cfg.env, cfg.eval.tasks)
     wall_s = time.perf_counter() - t0
     env_steps = max_steps * cfg.env.num_envs * math.ceil(len(seeds) / cfg.env.num_envs)  # padding included
     summary.update(checkpoint=str(path) if path else None, policy=cfg.policy.name, wall_s=wall_s,
@@ -227,7 +227,7 @@ def cmd_sft(overrides: list[str]) -> int:
         Path("runs") / f"sft-{cfg.env.task}-{cfg.policy.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     stats = train_sft(cfg, run_dir)
     rows, _, _ = _run_protocol(cfg, load_checkpoint(run_dir)["actor"], seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval))
-    summary = summarize(rows, cfg.env)
+    summary = summarize(rows, cfg.env, cfg.eval.tasks)
     summary["sft"] = stats
     print(write_eval(run_dir, summary))
     print(f"SFT on {stats['demos']} demos ({stats['steps']} steps), {cfg.sft.epochs} epochs: "

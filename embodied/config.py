@@ -149,6 +149,7 @@ class EvalConfig:
     episodes: int = 100  # ManiSkill: episodes, seeds seed, seed + 1, ... (LIBERO: see trials_per_task)
     seed: int = 1_000_000  # ManiSkill: episode k is reset with seed + k
     trials_per_task: int = 50  # LIBERO: episodes per task, from its first N stored init states (50 = all)
+    tasks: list[int] | None = None  # LIBERO: only these task indices (None: the whole suite, the published protocol)
     deterministic: bool = True  # mean action instead of a sample
     video_episodes: int = 2  # videos recorded by `train` at its end and by `record`
     videos_per_task: int = 1  # `eval`: videos of each task's first episodes, recorded during the eval

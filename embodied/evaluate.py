@@ -88,17 +88,19 @@ def per_task(rows: list[dict], env_cfg) -> list[dict]:
             for (index, name), task_rows in sorted(by_task.items())]
 
 
-def summarize(rows: list[dict], env_cfg) -> dict:
+def summarize(rows: list[dict], env_cfg, task_subset: list[int] | None = None) -> dict:
     """Aggregate per-episode rows into the eval summary written to eval.json.
 
     ``tasks`` holds one row per task; ``suite_mean`` is the mean of the per-task
     ``success_once`` (equal to the overall rate when every task ran as many trials).
+    ``task_subset``: the ``eval.tasks`` that ran, when not the whole suite.
     """
     tasks = per_task(rows, env_cfg)
     return {
         "task": env_cfg.task,
         **_means(rows),
         "suite_mean": sum(t["success_once"] for t in tasks) / len(tasks) if tasks else 0.0,
+        "task_subset": None if task_subset is None else sorted(set(task_subset)),
         "tasks": tasks,
         "seeds": [r["seed"] for r in rows],
         "rows": rows,
@@ -119,6 +121,9 @@ def markdown_table(summary: dict) -> str:
     body = "".join(line(f"{t['task_index']}: {t['task']}", t) for t in tasks) if len(tasks) > 1 else ""
     total = line(f"**{summary['task']}**" if body else summary["task"], summary)
     footer = f"\nsuite mean (per-task success_once averaged): {summary['suite_mean']:.3f}\n" if body else ""
+    if summary.get("task_subset") is not None:
+        footer += (f"\nOnly tasks {', '.join(map(str, summary['task_subset']))} ran (eval.tasks): "
+                   "not the published whole-suite protocol.\n")
     if summary.get("errors"):
         footer += f"\n{summary['errors']} episode(s) ended failed-by-error (an env process crashed or hung).\n"
     return head + body + total + footer

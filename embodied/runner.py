@@ -55,6 +55,7 @@ class Workers:
         self.cfg = cfg
         # bad names fail here, in seconds, before any worker starts
         check_env_config(cfg.env)
+        seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)  # eval.tasks is checked now, not after training
         check_policy_config(cfg.policy)
         for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
                                (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap),
@@ -449,7 +450,7 @@ class Trainer:
         cfg = self.cfg
         weights = self._load_final_weights()
         rows, _ = self.workers.evaluate(seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval), cfg.eval.deterministic)
-        summary = summarize(rows, cfg.env)
+        summary = summarize(rows, cfg.env, cfg.eval.tasks)
         summary["evaluated"] = weights
         summary["training"] = {
             "iterations": self.progress.iteration,

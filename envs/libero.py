@@ -226,13 +226,26 @@ class LiberoSeeds(SeedScheme):
         return episode_seed(task_index, entropy % counts[task_index])
 
     def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
-        """Task by task, its first ``eval.trials_per_task`` stored init states."""
-        return [episode_seed(t, i) for t, count in enumerate(init_state_counts(env_cfg.task))
-                for i in range(min(eval_cfg.trials_per_task, count))]
+        """Task by task (``eval.tasks``, or all), its first ``eval.trials_per_task`` stored init states."""
+        counts = init_state_counts(env_cfg.task)
+        tasks = range(len(counts)) if eval_cfg.tasks is None else _task_subset(eval_cfg.tasks, env_cfg.task)
+        return [episode_seed(t, i) for t in tasks for i in range(min(eval_cfg.trials_per_task, counts[t]))]
 
     def task_of(self, env_cfg, seed: int) -> tuple[int, str]:
         task_index = decode_seed(seed)[0]
         return task_index, suite_tasks(env_cfg.task)[task_index].name
+
+
+def _task_subset(tasks, suite: str) -> list[int]:
+    """``eval.tasks`` sorted and deduplicated; an index outside the suite is a UserError."""
+    from embodied.errors import UserError
+
+    num_tasks = len(init_state_counts(suite))
+    outside = [t for t in tasks if not 0 <= t < num_tasks]
+    if outside or not tasks:
+        raise UserError(f"eval.tasks={list(tasks)}: {suite} has tasks 0..{num_tasks - 1}; list some of "
+                        "those (e.g. eval.tasks=[0,3]) or set eval.tasks=null for the whole suite.")
+    return sorted(set(tasks))
 
 
 def validate_libero(cfg) -> None:

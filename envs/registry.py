@@ -31,6 +31,12 @@ class SeedScheme:
 
     def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
         """The evaluation protocol's episodes, each run exactly once, in order."""
+        if eval_cfg.tasks is not None:
+            from embodied.errors import UserError
+
+            raise UserError(f"eval.tasks={list(eval_cfg.tasks)} picks tasks of a suite, but env.task="
+                            f"{env_cfg.task!r} is a single task: leave eval.tasks null (eval.episodes "
+                            "sets how many episodes it runs).")
         return [eval_cfg.seed + k for k in range(eval_cfg.episodes)]
 
     def task_of(self, env_cfg, seed: int) -> tuple[int, str]:

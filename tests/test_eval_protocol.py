@@ -27,6 +27,9 @@ def test_libero_eval_seeds_are_every_task_init_pair_once_grouped_by_task():
     assert pairs == [(t, i) for t in range(10) for i in range(5)]
     cfg.eval.trials_per_task = 50
     assert len(set(seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval))) == 500
+    cfg.eval.tasks, cfg.eval.trials_per_task = [7, 2, 7], 3  # a subset: sorted, each task once
+    assert [decode_seed(s) for s in seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)] == \
+        [(t, i) for t in (2, 7) for i in range(3)]
 
 
 def test_libero_training_slots_spread_tasks_and_are_seeded():
@@ -76,19 +79,20 @@ def test_every_seed_runs_exactly_once_with_padding(ray_cluster):
 
 def test_cli_eval_on_libero_writes_the_per_task_table_and_a_video_per_task(tmp_path):
     out = tmp_path / "eval"
-    proc = run_cli("eval", "env=libero_spatial", "policy=random", "eval.trials_per_task=1",
+    proc = run_cli("eval", "env=libero_spatial", "policy=random", "eval.trials_per_task=1", "eval.tasks=[9,0,3]",
                    "env.max_episode_steps=4", "env.image_size=32", "runner.progress=false",
                    f"runner.run_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "eval.json").read_text())
-    assert [t["task_index"] for t in result["tasks"]] == list(range(10))
+    assert [t["task_index"] for t in result["tasks"]] == [0, 3, 9] and result["task_subset"] == [0, 3, 9]
     assert all(t["episodes"] == 1 and t["success_once"] == 0.0 for t in result["tasks"])
-    assert result["seeds"] == [episode_seed(t, 0) for t in range(10)] and result["suite_mean"] == 0.0
+    assert result["seeds"] == [episode_seed(t, 0) for t in (0, 3, 9)] and result["suite_mean"] == 0.0
     assert result["policy"] == "random" and result["env_steps_per_s"] > 0
-    assert (out / "eval.md").read_text().count("\n| ") == 11  # 10 tasks, then the suite
+    table = (out / "eval.md").read_text()
+    assert table.count("\n| ") == 4 and "Only tasks 0, 3, 9 ran" in table  # 3 tasks, then the suite
     videos = sorted((out / "videos").glob("task_*.mp4"))
-    assert len(videos) == 10
-    frames = imageio.mimread(videos[3])
+    assert len(videos) == 3
+    frames = imageio.mimread(videos[1])
     assert len(frames) == 5 and frames[0].shape[1] == 2 * frames[0].shape[0]  # agentview | wrist
 
 

@@ -52,6 +52,27 @@ def test_training_changes_parameters_and_checkpoint_reloads_to_identical_actions
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+def test_critic_warmup_iterations_move_only_the_critic_then_the_actor_trains(ray_cluster, tmp_path):
+    """The runner's wiring of algorithm.critic_warmup_iterations: iteration 0 is critic-only, iteration 1 is PPO."""
+    cfg = small_config(f"runner.run_dir={tmp_path}", "algorithm.critic_warmup_iterations=1")
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        trainer._reset_envs()
+        weights = [trainer.workers.actor.call("get_weights")[0]]
+        for _ in range(2):
+            trainer._iterate()
+            weights.append(trainer.workers.actor.call("get_weights")[0])
+    finally:
+        trainer.close()
+
+    def changed(a: dict, b: dict) -> set[str]:
+        return {k for k in a if not torch.equal(a[k], b[k])}
+
+    critic = {k for k in weights[0] if k.startswith("critic.")}
+    assert critic and changed(weights[0], weights[1]) == critic
+    assert changed(weights[1], weights[2]) - critic  # the actor trains once the warm-up is over
+
+
 def test_cli_train_then_eval_and_record(tmp_path):
     """Training with ``placement.mode=auto`` (profile, plan, run the plan), then eval and
     record from its checkpoint."""
