@@ -104,6 +104,8 @@ class AlgorithmConfig:
     # learning rate of the critic's own parameters (a VLA's new value head needs a far larger one than
     # the fine-tuned backbone); None: algorithm.lr. anneal_lr scales both alike
     critic_lr: float | None = None
+    # beta of a KL(policy || warm start) penalty on the sampled actions' log-probs (0: none)
+    kl_coef: float = 0.0
 
 
 @dataclass

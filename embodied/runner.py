@@ -261,7 +261,8 @@ def _check_final_weights(cfg: TrainConfig) -> None:
 
 
 def _check_critic(cfg: TrainConfig) -> None:
-    """Critic warm-up trains a value function (GRPO, vf_coef 0, has none); critic_lr is a rate."""
+    """Critic warm-up trains a value function (GRPO, vf_coef 0, has none); critic_lr is a rate;
+    kl_coef a weight."""
     algo = cfg.algorithm
     if algo.critic_warmup_iterations < 0:
         raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations}: it counts "
@@ -269,6 +270,9 @@ def _check_critic(cfg: TrainConfig) -> None:
     if algo.critic_lr is not None and algo.critic_lr <= 0:
         raise UserError(f"algorithm.critic_lr={algo.critic_lr}: a learning rate must be > 0 "
                         "(or null: the critic learns at algorithm.lr).")
+    if algo.kl_coef < 0:
+        raise UserError(f"algorithm.kl_coef={algo.kl_coef}: a penalty weight must be >= 0 "
+                        "(0: no KL term; GRPO papers use 0.001-0.04).")
     if algo.critic_warmup_iterations and (algo.vf_coef == 0 or algo.advantage in OUTCOME_ADVANTAGES):
         raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations} trains only the "
                         f"value function, but algorithm={algo.name} (advantage {algo.advantage}, vf_coef "
@@ -302,9 +306,11 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if resume_from:
-            self.workers.load_actor_state(resume_from["actor"])
-        elif warm_start:
-            self.workers.load_actor_state(warm_start["actor"], weights_only=True)
+            self.workers.load_actor_state(resume_from["actor"])  # its KL reference included
+        else:
+            if warm_start:
+                self.workers.load_actor_state(warm_start["actor"], weights_only=True)
+            self.workers.actor.call("freeze_reference")  # algorithm.kl_coef's reference: the starting weights
         self.steps_per_iteration = self.workers.steps_per_rollout * self.workers.chunk_size * cfg.env.num_envs
         # GRPO: every iteration starts fresh episodes, a group's envs from one initial state
         self.episodic = cfg.algorithm.advantage in OUTCOME_ADVANTAGES

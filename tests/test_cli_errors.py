@@ -23,6 +23,7 @@ CASES = {
     "critic warm-up without a critic": (["train", "algorithm=grpo", "algorithm.critic_warmup_iterations=3"],
                                         ["critic_warmup_iterations=3", "algorithm=ppo"]),
     "critic lr not a rate": (["train", "algorithm.critic_lr=0"], ["algorithm.critic_lr=0", "> 0"]),
+    "negative KL weight": (["train", "algorithm.kl_coef=-0.1"], ["algorithm.kl_coef=-0.1", ">= 0"]),
     "GRPO group too small": (["train", "algorithm=grpo", "algorithm.group_size=1"], ["group_size=1", ">= 2"]),
     "GRPO episode longer than an iteration": (["train", "algorithm=grpo", "algorithm.group_size=4", "env.num_envs=8",
                                                "algorithm.rollout_steps=10"], ["rollout_steps=10", "null"]),

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from embodied.algorithms.losses import ppo_loss
+from embodied.algorithms.losses import kl_to_reference, ppo_loss
 
 CFG = SimpleNamespace(clip_coef=0.2, clip_coef_high=None, clip_vloss=False, vf_coef=0.5, ent_coef=0.01)
 
@@ -44,3 +44,46 @@ def test_value_clipping_limits_value_change():
     # unclipped error 0, clipped prediction 0.2 -> error 0.8^2; max takes the clipped one
     _, stats = ppo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), new_v, old_v, ret, torch.zeros(1), cfg)
     assert stats["value_loss"] == pytest.approx(0.5 * 0.8**2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kl_to_reference_estimates_the_exact_kl_from_the_policys_samples(seed):
+    """k3 on samples of p approaches KL(p || q) = sum p log(p/q); each sample's term is >= 0."""
+    g = torch.Generator().manual_seed(seed)
+    log_p = torch.randn(8, generator=g).log_softmax(0)
+    log_q = torch.randn(8, generator=g).log_softmax(0)
+    samples = torch.multinomial(log_p.exp(), 200_000, replacement=True, generator=g)
+    exact = (log_p.exp() * (log_p - log_q)).sum()
+    assert kl_to_reference(log_p[samples], log_q[samples]).item() == pytest.approx(exact.item(), rel=0.03)
+    assert kl_to_reference(log_p[samples], log_p[samples]).item() == 0.0
+    per_sample = [kl_to_reference(log_p[k:k + 1], log_q[k:k + 1]).item() for k in range(8)]
+    assert min(per_sample) >= 0.0
+
+
+def test_actor_checkpoint_keeps_the_kl_reference_and_a_warm_start_does_not_move_it():
+    """A resumed run measures drift from its original starting weights, not from where it stopped."""
+    from embodied.config import compose
+    from embodied.workers.actor_worker import ActorWorker
+
+    cfg = compose(["algorithm.kl_coef=0.1"])
+    spec = {"state": ((7,), torch.float32)}
+
+    def actor(seed: int) -> ActorWorker:
+        return ActorWorker(cfg.policy, cfg.algorithm, spec, 3, seed=seed, rank=0, world_size=1)
+
+    trained = actor(0)
+    trained.freeze_reference()
+    start = {k: v.clone() for k, v in trained.get_weights().items()}  # CPU: get_weights aliases
+    with torch.no_grad():
+        for param in trained.policy.parameters():
+            param.add_(1.0)
+    state = trained.state()
+    resumed = actor(1)
+    resumed.load_state(state)
+    assert all(torch.equal(resumed.reference.state_dict()[k], start[k]) for k in start)
+    assert all(torch.equal(resumed.get_weights()[k], state["policy"][k]) for k in start)
+    best = actor(2)  # final_weights=best reloads weights only: the reference stays put
+    best.freeze_reference()
+    own_start = {k: v.clone() for k, v in best.get_weights().items()}
+    best.load_state(state, weights_only=True)
+    assert all(torch.equal(best.reference.state_dict()[k], own_start[k]) for k in start)

@@ -52,9 +52,10 @@ def test_training_changes_parameters_and_checkpoint_reloads_to_identical_actions
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
-def test_critic_warmup_iterations_move_only_the_critic_then_the_actor_trains(ray_cluster, tmp_path):
-    """The runner's wiring of algorithm.critic_warmup_iterations: iteration 0 is critic-only, iteration 1 is PPO."""
-    cfg = small_config(f"runner.run_dir={tmp_path}", "algorithm.critic_warmup_iterations=1")
+def test_runner_warms_up_the_critic_then_trains_near_the_kl_reference(ray_cluster, tmp_path):
+    """The runner's wiring of algorithm.critic_warmup_iterations (iteration 0 is critic-only, iteration 1
+    is PPO) and of kl_coef (the reference is the starting weights, and checkpoints carry it)."""
+    cfg = small_config(f"runner.run_dir={tmp_path}", "algorithm.critic_warmup_iterations=1", "algorithm.kl_coef=0.1")
     trainer = Trainer(cfg, tmp_path)
     try:
         trainer._reset_envs()
@@ -62,8 +63,10 @@ def test_critic_warmup_iterations_move_only_the_critic_then_the_actor_trains(ray
         for _ in range(2):
             trainer._iterate()
             weights.append(trainer.workers.actor.call("get_weights")[0])
+        reference = trainer.workers.actor.call("state")[0]["reference"]
     finally:
         trainer.close()
+    assert all(torch.equal(reference[k], weights[0][k]) for k in weights[0])
 
     def changed(a: dict, b: dict) -> set[str]:
         return {k for k in a if not torch.equal(a[k], b[k])}

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from embodied.algorithms.losses import kl_to_reference
 from embodied.algorithms.ppo import ppo_update
 from embodied.config import compose
 from policies.registry import make_policy
@@ -231,6 +232,38 @@ def test_critic_warmup_update_trains_only_the_critic_and_fits_the_returns(model)
     # the next, full update moves the actor too
     ppo_update(policy, optimizer, batch, compose(["algorithm.update_epochs=1"]).algorithm)
     assert any(not torch.equal(p, before[n]) for n, p in policy.named_parameters() if n not in critic)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 3.0])
+def test_kl_coef_pulls_a_drifted_policy_back_to_its_reference(kl_coef):
+    """With a reference (the warm start) and kl_coef > 0, the update shrinks the KL between them;
+    with kl_coef 0 the reference is ignored."""
+    import copy
+
+    policy = _policy("openvla_oft_tiny")
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    with torch.no_grad():  # drift every weight away from the reference
+        for param in policy.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    obs = _obs(16)
+    actions, logprob, value = policy.act(obs)
+
+    def kl() -> float:
+        with torch.no_grad():
+            return kl_to_reference(policy.evaluate(obs, actions)[0], reference.evaluate(obs, actions)[0]).item()
+
+    batch = {"obs": {k: v[None] for k, v in obs.items()}, "actions": actions[None], "logprobs": logprob[None],
+             "values": value[None], "rewards": torch.zeros(1, 16), "dones": torch.ones(1, 16, dtype=torch.bool),
+             "next_value": torch.zeros(16)}
+    cfg = compose(["algorithm.update_epochs=10", "algorithm.num_minibatches=1", "algorithm.target_kl=null",
+                   "algorithm.vf_coef=0", "algorithm.normalize_advantages=false",
+                   f"algorithm.kl_coef={kl_coef}"]).algorithm
+    before = kl()
+    stats = ppo_update(policy, torch.optim.Adam(policy.parameters(), lr=1e-3), batch, cfg, reference=reference)
+    if kl_coef:
+        assert kl() < 0.5 * before and stats["kl_to_reference"] > 0
+    else:
+        assert "kl_to_reference" not in stats
 
 
 def test_critic_lr_puts_the_critic_in_its_own_group_and_annealing_keeps_the_ratio():

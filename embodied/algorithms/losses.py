@@ -21,6 +21,14 @@ def critic_loss(new_value: torch.Tensor, old_value: torch.Tensor, returns: torch
     return 0.5 * ((new_value - returns) ** 2).mean()
 
 
+def kl_to_reference(logprob: torch.Tensor, reference_logprob: torch.Tensor) -> torch.Tensor:
+    """Mean k3 estimate of ``KL(policy || reference)`` over the sampled units (tokens, or action
+    dimensions): ``exp(ref - new) - (ref - new) - 1``, >= 0 for every sample, and unbiased when the
+    samples come from the policy (Schulman, "Approximating KL divergence"; GRPO's beta term)."""
+    log_ratio = reference_logprob - logprob
+    return (log_ratio.exp() - log_ratio - 1).mean()
+
+
 @LOSSES.register("ppo")
 def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
              new_value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor,

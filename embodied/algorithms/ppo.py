@@ -13,7 +13,7 @@ from torch import nn
 
 from embodied.algorithms.advantages import ADVANTAGES
 from embodied.algorithms.logprob_levels import group_logprobs
-from embodied.algorithms.losses import LOSSES, critic_loss
+from embodied.algorithms.losses import LOSSES, critic_loss, kl_to_reference
 
 
 def compute_advantages(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,11 +56,14 @@ def optimizer_groups(policy: nn.Module, cfg) -> list[dict]:
 
 
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, cfg,
-               generator: torch.Generator | None = None, critic_only: bool = False) -> dict[str, float]:
+               generator: torch.Generator | None = None, critic_only: bool = False,
+               reference: nn.Module | None = None) -> dict[str, float]:
     """Run ``cfg.update_epochs`` epochs over ``batch``; returns mean training statistics.
 
     ``critic_only`` (critic warm-up): the loss is the value loss alone and only the critic's own
     parameters step, so the actor, shared encoder included, stays exactly as it was.
+    ``reference`` (with ``cfg.kl_coef > 0``): a frozen policy; ``kl_coef * KL(policy || reference)``
+    on the batch's actions joins the loss, holding the policy near its warm start.
     """
     critic = critic_parameters(policy) if critic_only else set()
     advantages, returns, valid = compute_advantages(batch, cfg)
@@ -86,6 +89,12 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
                 data["values"][idx],
                 data["returns"][idx], entropy, cfg,
             )
+            if reference is not None and cfg.kl_coef > 0 and not critic_only:
+                with torch.no_grad():
+                    reference_logprob, _, _ = reference.evaluate(obs, data["actions"][idx])
+                kl = kl_to_reference(new_logprob, reference_logprob)
+                loss = loss + cfg.kl_coef * kl
+                step_stats["kl_to_reference"] = kl.item()
             if critic_only:
                 loss = cfg.vf_coef * critic_loss(new_value, data["values"][idx], data["returns"][idx], cfg)
             optimizer.zero_grad(set_to_none=True)

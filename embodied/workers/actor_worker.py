@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from torch import nn
 
 from embodied.algorithms.ppo import optimizer_groups, ppo_update
 from embodied.workers.rollout_worker import merge_trajectories
@@ -32,6 +35,8 @@ class ActorWorker(Worker):
         self.generator = torch.Generator().manual_seed(seed)
         self.device_state = DeviceState(self.policy, self.optimizer)
         self.shared: SharedWeights | None = None
+        # algorithm.kl_coef > 0: a frozen copy of the starting weights that the KL penalty holds the policy near
+        self.reference: nn.Module | None = None
 
     # -- weights out ----------------------------------------------------------------------
     def get_weights(self) -> dict:
@@ -63,6 +68,11 @@ class ActorWorker(Worker):
             # optimizer states saved before critic_lr existed carry no lr_scale: one group at lr
             group["lr"] = lr * group.get("lr_scale", 1.0)
 
+    def freeze_reference(self) -> None:
+        """Keep the current weights (the warm start), frozen, as the KL penalty's reference policy."""
+        if self.cfg.kl_coef > 0:
+            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+
     def update(self, *trajectories: dict, critic_only: bool = False) -> dict[str, float]:
         """One PPO update on the trajectories of every rollout worker (``critic_only``: the value function's)."""
         batch = merge_trajectories(list(trajectories))
@@ -71,12 +81,15 @@ class ActorWorker(Worker):
         torch.set_num_threads(self.update_threads)
         with self.all_cores():  # env and rollout workers wait for the new weights: their cores are free
             return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator,
-                              critic_only=critic_only)
+                              critic_only=critic_only, reference=self.reference)
 
     def state(self) -> dict:
         """Everything a checkpoint needs to continue training exactly."""
-        return {"policy": self.get_weights(), "optimizer": self.optimizer.state_dict(),
-                "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
+        state = {"policy": self.get_weights(), "optimizer": self.optimizer.state_dict(),
+                 "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
+        if self.reference is not None:
+            state["reference"] = {k: v.detach().cpu() for k, v in self.reference.state_dict().items()}
+        return state
 
     def load_state(self, state: dict, weights_only: bool = False) -> None:
         self.policy.load_state_dict(state["policy"])
@@ -85,6 +98,10 @@ class ActorWorker(Worker):
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
+        if self.cfg.kl_coef > 0:  # a resumed run keeps its original reference (older checkpoints: these weights)
+            self.freeze_reference()
+            if "reference" in state:
+                self.reference.load_state_dict(state["reference"])
 
 
 def _to(batch, device):
