@@ -56,8 +56,8 @@ def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: t
             "policy_loss": policy_loss.item(),
             "value_loss": value_loss.item(),
             "entropy": entropy_mean.item(),
-            # unbiased KL estimator k3 (Schulman, "Approximating KL divergence")
-            "approx_kl": ((ratio - 1) - log_ratio).mean().item(),
+            # KL(old || new), the old policy having sampled the actions
+            "approx_kl": kl_to_reference(old_logprob, new_logprob).item(),
             "clip_fraction": ((ratio < 1 - cfg.clip_coef) | (ratio > 1 + clip_high)).float().mean().item(),
         }
     return loss, stats

@@ -40,7 +40,7 @@ class ActorWorker(Worker):
 
     # -- weights out ----------------------------------------------------------------------
     def get_weights(self) -> dict:
-        return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+        return _cpu_state(self.policy)
 
     def share_weights(self) -> SharedLayout:
         """Create the shared buffer rollout workers on this node read weights from."""
@@ -88,7 +88,7 @@ class ActorWorker(Worker):
         state = {"policy": self.get_weights(), "optimizer": self.optimizer.state_dict(),
                  "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
         if self.reference is not None:
-            state["reference"] = {k: v.detach().cpu() for k, v in self.reference.state_dict().items()}
+            state["reference"] = _cpu_state(self.reference)
         return state
 
     def load_state(self, state: dict, weights_only: bool = False) -> None:
@@ -102,6 +102,11 @@ class ActorWorker(Worker):
             self.freeze_reference()
             if "reference" in state:
                 self.reference.load_state_dict(state["reference"])
+
+
+def _cpu_state(module: nn.Module) -> dict:
+    """``module``'s state dict on the CPU (on a CPU device: the live tensors, not copies)."""
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
 
 def _to(batch, device):
