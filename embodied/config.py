@@ -49,6 +49,7 @@ class PolicyConfig:
     feature_dim: int = 256  # cnn only: image embedding size
     # VLA policies (policies/vla/)
     model_path: str | None = None  # a save_pretrained directory (model + tokenizer); None: a tiny model from scratch
+    dtype: str = "float32"  # VLAs: the weights' dtype once loaded: float32 | bfloat16 (checkpoints ship bf16)
     image_size: int = 64  # tiny VLAs: the vision backbones' input size
     temperature: float = 1.0  # action-token sampling temperature in training rollouts (evaluation is greedy)
     instruction: str = ""  # the language instruction where the env gives none (ManiSkill tasks)

@@ -23,7 +23,6 @@ from torch import nn
 
 from policies.registry import POLICIES
 from policies.vla.policy import OpenVLAPolicy
-from policies.vla.processor import pixel_values
 
 PROPRIO_FILE = "proprio_projector.pt"  # next to a model directory's config.json, with policy.proprio
 
@@ -63,8 +62,7 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         ids, mask = self._prompt_ids(obs)
         device = ids.device
         batch, tokens = ids.shape[0], self.noise_dim
-        embeds, mask = self.model.multimodal_embeddings(ids, pixel_values(obs["rgb"].to(device), self.image_size),
-                                                        mask)
+        embeds, mask = self.model.multimodal_embeddings(ids, self.images(obs["rgb"]).to(device), mask)
         if self.proprio_projector is not None:
             after_patches = 1 + self.model.num_patches
             state = self.proprio_projector(obs["state"].to(device).float()).unsqueeze(1)

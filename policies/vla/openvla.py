@@ -18,24 +18,27 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
-from policies.vla.vit import TIMM_VITS, VisionTransformer, ViTSpec
+from policies.vla.vit import TIMM_VITS, VisionTransformer, ViTSpec, timm_spec
 
 PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
 
 
 class OpenVLAConfig(PretrainedConfig):
-    """OpenVLA's config.json fields, plus ``vit_specs``: explicit ViT sizes for models whose
-    backbones are not the two timm ids OpenVLA uses (the tiny test models)."""
+    """OpenVLA's config.json fields, plus two ways to size the vision backbones differently from
+    the two timm ids OpenVLA uses: ``timm_overrides`` (timm keyword arguments per id, what the
+    reference fixtures built by upstream code carry) and ``vit_specs`` (explicit ViT sizes, the
+    tiny models built here)."""
 
     model_type = "openvla"
     sub_configs = {"text_config": LlamaConfig}
 
     def __init__(self, timm_model_ids: list[str] | None = None, vit_specs: list[dict] | None = None,
-                 image_sizes: list[int] | None = None, use_fused_vision_backbone: bool = True,
-                 text_config: dict | LlamaConfig | None = None, n_action_bins: int = 256,
-                 norm_stats: dict | None = None, pad_to_multiple_of: int = 64, **kwargs):
+                 timm_overrides: list[dict] | None = None, image_sizes: list[int] | None = None,
+                 use_fused_vision_backbone: bool = True, text_config: dict | LlamaConfig | None = None,
+                 n_action_bins: int = 256, norm_stats: dict | None = None, pad_to_multiple_of: int = 64, **kwargs):
         self.timm_model_ids = timm_model_ids or list(TIMM_VITS)
         self.vit_specs = vit_specs
+        self.timm_overrides = timm_overrides
         self.image_sizes = image_sizes or [224, 224]
         self.use_fused_vision_backbone = use_fused_vision_backbone
         if isinstance(text_config, dict):
@@ -47,9 +50,18 @@ class OpenVLAConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
     def vision_specs(self) -> list[ViTSpec]:
-        specs = ([ViTSpec(**s) for s in self.vit_specs] if self.vit_specs
-                 else [TIMM_VITS[i] for i in self.timm_model_ids])
+        if self.vit_specs:
+            specs = [ViTSpec(**s) for s in self.vit_specs]
+        else:
+            overrides = self.timm_overrides or [None] * len(self.timm_model_ids)
+            specs = [timm_spec(i, size, o) for i, size, o in zip(self.timm_model_ids, self.image_sizes, overrides)]
         return specs if self.use_fused_vision_backbone else specs[:1]
+
+    @property
+    def action_vocab_size(self) -> int:
+        """The vocabulary whose last ``n_action_bins`` ids are the action tokens: the Llama vocabulary
+        before its padding to a multiple of 64 (32000 of 32064), as ``predict_action`` computes it."""
+        return self.text_config.vocab_size - self.pad_to_multiple_of
 
 
 class PrismaticVisionBackbone(nn.Module):
@@ -134,4 +146,4 @@ def tiny_config(vocab_size: int, image_size: int = 64, patch: int = 8, vision_di
                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                        max_position_embeddings=1024, rms_norm_eps=1e-6)
     return OpenVLAConfig(vit_specs=[vit(True), vit(False)], image_sizes=[image_size, image_size],
-                         text_config=text.to_dict())
+                         text_config=text.to_dict(), pad_to_multiple_of=0)  # the vocabulary is not padded

@@ -27,7 +27,7 @@ from torch import nn
 from policies.registry import POLICIES
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.openvla import PROMPT, OpenVLAForActionPrediction, tiny_config
-from policies.vla.processor import byte_tokenizer, pixel_values, tokenize_prompts
+from policies.vla.processor import ImageProcessing, byte_tokenizer, tokenize_prompts
 
 GENERATION_BACKENDS = ["hf", "vllm"]  # hf: this module's KV-cached decoding; vllm: vllm_backend.py
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -89,7 +89,7 @@ class TokenVLAPolicy(nn.Module):
             from embodied.errors import unknown_name_error
 
             raise unknown_name_error("generation backend (policy.backend)", cfg.backend, GENERATION_BACKENDS)
-        self.value_head = make_value_head(hidden)
+        self.value_head = make_value_head(hidden).to(next(lora_target.parameters()).dtype)  # the backbone's
         if cfg.lora_rank:
             self._add_lora(lora_target, cfg.lora_rank)
 
@@ -201,6 +201,7 @@ class TokenVLAPolicy(nn.Module):
         actions are normalised, their statistics (OpenVLA's ``dataset_statistics.json``)."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        self.images.save_pretrained(path)
         stats = self.actions.stats
         if bool(stats.normalize_mask.any()):  # [-1, 1] actions need no file
             key = self.unnorm_key or "embodied"
@@ -222,6 +223,37 @@ def require_model_dir(path: str, hub_id: str) -> None:
         raise UserError(f"policy.model_path={path} is not a model directory (no config.json there). Nothing is "
                         f"downloaded at run time: fetch {hub_id} on a machine with internet (`huggingface-cli "
                         f"download {hub_id} --local-dir {path}`), copy it here, or use a *_tiny policy config.")
+
+
+def load_strictly(model_class, model_dir: str, dtype: torch.dtype):
+    """``model_class.from_pretrained`` that fails on any missing, unexpected or misshapen weight
+    (transformers only warns, and a half-loaded VLA acts plausibly but wrongly)."""
+    from embodied.errors import UserError
+
+    try:
+        model, info = model_class.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise UserError(f"policy.model_path={model_dir} does not load as {model_class.__name__}: {err}. Check that "
+                        "the directory is a complete copy of the checkpoint (config.json and every "
+                        "*.safetensors shard named in its index).") from err
+    problems = {k: v for k, v in info.items() if k != "error_msgs" and v}
+    if problems:
+        raise UserError(f"policy.model_path={model_dir}: the weights do not match the architecture its config.json "
+                        f"describes ({ {k: sorted(map(str, v))[:5] for k, v in problems.items()} }). Copy the "
+                        "checkpoint again, or fix config.json if it was edited.")
+    return model
+
+
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def weights_dtype(name: str) -> torch.dtype:
+    """``policy.dtype`` -> the torch dtype a checkpoint's weights are loaded in."""
+    if name not in WEIGHT_DTYPES:
+        from embodied.errors import unknown_name_error
+
+        raise unknown_name_error("weights dtype (policy.dtype)", name, list(WEIGHT_DTYPES))
+    return WEIGHT_DTYPES[name]
 
 
 def require_images(obs_spec: dict, name: str) -> None:
@@ -273,16 +305,21 @@ class OpenVLAPolicy(TokenVLAPolicy):
             from transformers import AutoTokenizer
 
             require_model_dir(cfg.model_path, "openvla/openvla-7b")
-            self.model = OpenVLAForActionPrediction.from_pretrained(cfg.model_path)
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+            self.model = load_strictly(OpenVLAForActionPrediction, cfg.model_path, weights_dtype(cfg.dtype))
+            # trust_remote_code=False: config.json's auto_map names upstream's code, which we never run
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=False)
         else:
             self.tokenizer = byte_tokenizer()
             self.model = OpenVLAForActionPrediction(tiny_config(len(self.tokenizer), cfg.image_size))
         self.image_size = self.model.config.image_sizes[0]
+        backbones = len(self.model.config.vision_specs())
+        self.images = (ImageProcessing.from_pretrained(cfg.model_path, self.image_size, backbones) if cfg.model_path
+                       else ImageProcessing.default(self.image_size, backbones))
         stats = (checkpoint_action_stats(cfg.model_path, self.model.config, cfg.unnorm_key, action_dim)
                  if cfg.model_path else ActionStats.identity(action_dim))
-        self._setup_rl(cfg, action_dim, ActionTokenizer(stats, vocab_size=len(self.tokenizer)),
-                       self.model.config.text_config.hidden_size, self.model.language_model)
+        actions = ActionTokenizer(stats, n_bins=self.model.config.n_action_bins,
+                                  vocab_size=self.model.config.action_vocab_size)
+        self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size, self.model.language_model)
         self.empty_piece = self.tokenizer.get_vocab().get(EMPTY_PIECE)
 
     def _prompt_ids(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +339,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
         if action_ids is not None:
             ids = torch.cat([ids, action_ids], dim=1)
             mask = torch.cat([mask, torch.ones_like(action_ids)], dim=1)
-        embeds, mask = self.model.multimodal_embeddings(ids, pixel_values(obs["rgb"].to(device), self.image_size),
-                                                        mask)
+        embeds, mask = self.model.multimodal_embeddings(ids, self.images(obs["rgb"]).to(device), mask)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: every row counts from its BOS
         out = self.model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
                                         use_cache=use_cache, output_hidden_states=True)

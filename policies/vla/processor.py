@@ -1,31 +1,144 @@
 """Observations -> VLA inputs: images resized and normalised per vision backbone, prompts tokenized.
 
-Shapes: ``rgb`` uint8 ``[B, H, W, 3]`` -> ``pixel_values`` float ``[B, 3 * backbones, S, S]``
-(DINOv2's ImageNet normalisation, then SigLIP's 0.5 / 0.5, as OpenVLA stacks them);
+Images follow the checkpoint's own ``preprocessor_config.json`` (OpenVLA's
+``PrismaticImageProcessor``): per backbone, a PIL resize (bicubic for every public
+OpenVLA checkpoint), a centre crop, ``/ 255`` and the normalisation saved there, which for
+openvla-7b and its fine-tunes is DINOv2's ImageNet statistics **rounded to bf16** (the HF
+conversion ran under a bf16 default dtype) and SigLIP's 0.5 / 0.5. The results are stacked on
+channels, as upstream's processor stacks them.
+
+Shapes: ``rgb`` uint8 ``[B, H, W, 3]`` -> ``pixel_values`` float ``[B, 3 * backbones, S, S]``;
 instructions -> left-padded ``input_ids [B, L]`` and ``attention_mask [B, L]`` starting
 with BOS, so the last prompt token of every row sits in the last column.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 import torch
+from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-# per-backbone (mean, std): DINOv2 uses ImageNet's statistics, SigLIP maps [0, 1] to [-1, 1]
-NORMALIZATION = (((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)))
+PREPROCESSOR_FILE = "preprocessor_config.json"
+# timm's data configs of OpenVLA's two backbones (DINOv2: ImageNet; SigLIP: [0, 1] -> [-1, 1])
+DEFAULT_MEANS = ((0.485, 0.456, 0.406), (0.5, 0.5, 0.5))
+DEFAULT_STDS = ((0.229, 0.224, 0.225), (0.5, 0.5, 0.5))
+PIL_FILTERS = {"nearest": 0, "bilinear": 2, "bicubic": 3, "lanczos": 1}
 
 
-def pixel_values(rgb: torch.Tensor, size: int, backbones: int = 2) -> torch.Tensor:
-    """``rgb`` uint8 ``[B, H, W, 3]`` -> ``[B, 3 * backbones, size, size]`` (bilinear, antialiased)."""
-    x = rgb.permute(0, 3, 1, 2).float() / 255.0
-    if x.shape[-2:] != (size, size):
-        x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True,
-                                            align_corners=False)
-    views = []
-    for mean, std in NORMALIZATION[:backbones]:
-        views.append((x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1))
-    return torch.cat(views, dim=1)
+@dataclass(frozen=True)
+class BackboneTransform:
+    """One backbone's view of an image: resize to ``size`` (H, W) with PIL filter ``resample``,
+    centre crop to ``crop`` (H, W), then ``(x / 255 - mean) / std`` per channel."""
+
+    size: tuple[int, int]
+    resample: int
+    crop: tuple[int, int]
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def resized(self, image: Image.Image) -> Image.Image:
+        if image.size != (self.size[1], self.size[0]):
+            image = image.resize((self.size[1], self.size[0]), self.resample)
+        width, height = image.size
+        top, left = int(round((height - self.crop[0]) / 2.0)), int(round((width - self.crop[1]) / 2.0))
+        if (height, width) != self.crop:
+            image = image.crop((left, top, left + self.crop[1], top + self.crop[0]))
+        return image
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` float ``[3, H, W]`` in [0, 1] -> normalised (torchvision's ``normalize`` arithmetic)."""
+        mean = torch.tensor(self.mean, dtype=x.dtype).view(3, 1, 1)
+        std = torch.tensor(self.std, dtype=x.dtype).view(3, 1, 1)
+        return (x - mean) / std
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """A Prismatic image processor: one :class:`BackboneTransform` per vision backbone."""
+
+    transforms: tuple[BackboneTransform, ...]
+
+    @classmethod
+    def default(cls, size: int, backbones: int = 2) -> ImageProcessing:
+        """What ``PrismaticImageProcessor`` computes for a fused DINOv2 + SigLIP model (bicubic,
+        unrounded statistics): for models built here without a preprocessor file."""
+        return cls(tuple(BackboneTransform((size, size), PIL_FILTERS["bicubic"], (size, size), DEFAULT_MEANS[i],
+                                           DEFAULT_STDS[i]) for i in range(backbones)))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, size: int, backbones: int = 2) -> ImageProcessing:
+        """The ``tvf_*`` parameters of ``model_dir``'s preprocessor_config.json (what upstream's
+        processor applies); the default when the directory has none."""
+        path = Path(model_dir) / PREPROCESSOR_FILE
+        if not path.exists():
+            return cls.default(size, backbones)
+        saved = json.loads(path.read_text())
+        from embodied.errors import UserError
+
+        strategy = saved.get("image_resize_strategy", "resize-naive")
+        if strategy != "resize-naive" or saved.get("tvf_do_letterbox"):
+            raise UserError(f"{path}: image_resize_strategy={strategy!r} is not supported (every public OpenVLA "
+                            "checkpoint uses 'resize-naive'). Re-save the processor with resize-naive.")
+        try:
+            transforms = tuple(_transform_from_saved(r, c, n) for r, c, n in zip(
+                saved["tvf_resize_params"], saved["tvf_crop_params"], saved["tvf_normalize_params"], strict=True))
+        except (KeyError, TypeError, ValueError) as err:
+            raise UserError(f"{path} is not a PrismaticImageProcessor config ({err!r}): it needs tvf_resize_params, "
+                            "tvf_crop_params and tvf_normalize_params per backbone, as OpenVLA's "
+                            "processing_prismatic.py saves them. Copy the file from the checkpoint you fine-tuned.") from err
+        if len(transforms) != backbones:
+            raise UserError(f"{path} has {len(transforms)} backbone transforms; the model has {backbones} vision "
+                            "backbones. The file belongs to another checkpoint.")
+        return cls(transforms)
+
+    def save_pretrained(self, model_dir: str | Path) -> None:
+        """Write the ``tvf_*`` fields upstream's processor reads and writes."""
+        inverse = {v: k for k, v in PIL_FILTERS.items()}
+        fields = {
+            "image_processor_type": "PrismaticImageProcessor", "processor_class": "PrismaticProcessor",
+            "image_resize_strategy": "resize-naive", "use_fused_vision_backbone": len(self.transforms) > 1,
+            "input_sizes": [[3, *t.crop] for t in self.transforms],
+            "interpolations": [inverse[t.resample] for t in self.transforms],
+            "means": [list(t.mean) for t in self.transforms], "stds": [list(t.std) for t in self.transforms],
+            "tvf_resize_params": [{"size": list(t.size), "interpolation": t.resample, "max_size": None,
+                                   "antialias": True} for t in self.transforms],
+            "tvf_crop_params": [{"output_size": list(t.crop)} for t in self.transforms],
+            "tvf_normalize_params": [{"mean": list(t.mean), "std": list(t.std), "inplace": False}
+                                     for t in self.transforms],
+            "tvf_do_letterbox": False, "tvf_letterbox_fill": None,
+        }
+        (Path(model_dir) / PREPROCESSOR_FILE).write_text(json.dumps(fields, indent=2))
+
+    def __call__(self, rgb: torch.Tensor) -> torch.Tensor:
+        """``rgb`` uint8 ``[B, H, W, 3]`` -> ``[B, 3 * backbones, S, S]`` float32."""
+        frames = rgb.detach().to("cpu", torch.uint8).numpy()
+        rows = [self._one(Image.fromarray(frame)) for frame in frames]
+        return torch.stack(rows).to(rgb.device)
+
+    def _one(self, image: Image.Image) -> torch.Tensor:
+        views, cache = [], {}
+        for t in self.transforms:
+            key = (t.size, t.resample, t.crop)
+            if key not in cache:  # both backbones usually resize alike: do it once
+                pixels = np.asarray(t.resized(image), dtype=np.uint8)
+                cache[key] = torch.from_numpy(pixels.copy()).permute(2, 0, 1).float().div(255)
+            views.append(t.normalize(cache[key]))
+        return torch.cat(views, dim=0)
+
+
+def _transform_from_saved(resize: dict, crop: dict, normalize: dict) -> BackboneTransform:
+    size = resize["size"]
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    crop_size = crop["output_size"]
+    crop_size = (crop_size, crop_size) if isinstance(crop_size, int) else tuple(crop_size)
+    return BackboneTransform(size, int(resize["interpolation"]), crop_size, tuple(normalize["mean"]),
+                             tuple(normalize["std"]))
 
 
 def tokenize_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

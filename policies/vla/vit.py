@@ -13,7 +13,7 @@ Shapes: images ``[B, 3, H, W]`` -> patch features ``[B, (H / patch) * (W / patch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -40,6 +40,27 @@ TIMM_VITS = {
                                                       layer_scale=True),
     "vit_so400m_patch14_siglip_224": ViTSpec(1152, 27, 16, 4304, attn_pool=True),
 }
+MLP_RATIOS = {"vit_large_patch14_reg4_dinov2.lvd142m": 4.0, "vit_so400m_patch14_siglip_224": 3.7362}
+# timm keyword arguments a checkpoint may override (``timm_overrides`` in config.json) -> ViTSpec fields
+TIMM_KWARGS = {"embed_dim": "dim", "depth": "depth", "num_heads": "heads"}
+
+
+def timm_spec(timm_id: str, image_size: int, overrides: dict | None = None) -> ViTSpec:
+    """The ViT that ``timm.create_model(timm_id, img_size=image_size, **overrides)`` builds (the MLP
+    width follows timm: ``int(embed_dim * mlp_ratio)``)."""
+    if timm_id not in TIMM_VITS:
+        from embodied.errors import unknown_name_error
+
+        raise unknown_name_error("timm vision backbone (config.json timm_model_ids)", timm_id, list(TIMM_VITS))
+    unknown = sorted(set(overrides or {}) - set(TIMM_KWARGS))
+    if unknown:
+        from embodied.errors import UserError
+
+        raise UserError(f"config.json timm_overrides for {timm_id} sets {unknown}; only {sorted(TIMM_KWARGS)} "
+                        "are understood. Remove the other keys.")
+    fields = {TIMM_KWARGS[k]: v for k, v in (overrides or {}).items()}
+    spec = replace(TIMM_VITS[timm_id], image_size=image_size, **fields)
+    return replace(spec, mlp_dim=int(spec.dim * MLP_RATIOS[timm_id]))
 
 
 class LayerScale(nn.Module):
