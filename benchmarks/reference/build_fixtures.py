@@ -271,13 +271,170 @@ def openvla_case(model, processor, image: np.ndarray, instruction: str) -> dict:
             "logits": logits[0, -7:, LOGIT_IDS].numpy(), "action": np.asarray(action, dtype=np.float64)}
 
 
+# -- OpenVLA-OFT ----------------------------------------------------------------------------
+OFT_MODULES = ["extern/hf", "vla/constants.py", "training/train_utils.py", "models/action_heads.py",
+               "models/projectors.py", "models/film_vit_wrapper.py"]
+
+
+def import_oft(src: Path) -> types.SimpleNamespace:
+    """moojink/openvla-oft's model, heads and eval helpers (LIBERO constants: 8 x 7 chunks, 8-dim proprio)."""
+    import transformers
+
+    assert "transformers-openvla-oft" in transformers.__file__, (
+        "OFT must run with moojink/transformers-openvla-oft on PYTHONPATH (bidirectional attention); "
+        f"got {transformers.__file__}")
+    root = upstream_package(src, OFT_MODULES)
+    sys.path.insert(0, str(root))
+    tiny_timm()
+    from prismatic.vla.constants import NormalizationType
+
+    stub_modules("prismatic.vla.datasets", "prismatic.vla.datasets.rlds", "prismatic.vla.datasets.rlds.utils",
+                 "prismatic.vla.datasets.rlds.utils.data_utils", "libero", "libero.libero", "libero.libero.envs")
+    sys.modules["prismatic.vla.datasets.rlds.utils.data_utils"].NormalizationType = NormalizationType
+    sys.modules["libero.libero"].get_libero_path = None
+    sys.modules["libero.libero.envs"].OffScreenRenderEnv = None
+    import prismatic.extern.hf.configuration_prismatic as configuration
+    import prismatic.extern.hf.modeling_prismatic as modeling
+    import prismatic.extern.hf.processing_prismatic as processing
+    from experiments.robot import openvla_utils
+    from experiments.robot.libero import libero_utils
+    from prismatic.models.action_heads import L1RegressionActionHead
+    from prismatic.models.projectors import ProprioProjector
+
+    return types.SimpleNamespace(OpenVLAConfig=configuration.OpenVLAConfig,
+                                 OpenVLAForActionPrediction=modeling.OpenVLAForActionPrediction,
+                                 PrismaticImageProcessor=processing.PrismaticImageProcessor,
+                                 PrismaticProcessor=processing.PrismaticProcessor, utils=openvla_utils,
+                                 libero=libero_utils, L1RegressionActionHead=L1RegressionActionHead,
+                                 ProprioProjector=ProprioProjector)
+
+
+def save_component(module: torch.nn.Module, path: Path, seed: int) -> None:
+    """An OFT component file: bf16 weights under DDP's ``module.`` prefix, as OFT's training saves them."""
+    randomize_module(module, seed)
+    torch.save({f"module.{k}": v.to(torch.bfloat16) for k, v in module.state_dict().items()}, path)
+
+
+def randomize_module(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+            elif "norm" in name or "layer_norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("weight")
+                        else 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def build_oft(src: Path, out_root: Path) -> None:
+    oft = import_oft(src)
+    inputs = load_inputs(out_root)
+    cases = oft_cases(oft, inputs)
+    for variant, seed in (("l1", 1), ("token", 2)):
+        out = out_root / f"openvla_oft_{variant}_tiny"
+        model, _ = save_checkpoint(oft, out, seed=seed)
+        hidden = TEXT_CONFIG["hidden_size"]
+        if variant == "l1":
+            save_component(oft.L1RegressionActionHead(input_dim=hidden, hidden_dim=hidden, action_dim=7),
+                           out / f"action_head--{STEP}_checkpoint.pt", seed + 10)
+            save_component(oft.ProprioProjector(llm_dim=hidden, proprio_dim=8),
+                           out / f"proprio_projector--{STEP}_checkpoint.pt", seed + 20)
+        model, processor = load_upstream(oft, out)
+        heads = load_oft_components(oft, out, hidden) if variant == "l1" else {}
+        images = 2 if variant == "l1" else 1  # L1: agentview + wrist; token (discrete path): one image
+        model.vision_backbone.set_num_images_in_input(images)
+        results = {}
+        for name, case in cases.items():
+            row = oft_case(oft, model, processor, heads, case, images)
+            results.update({f"{name}/{k}": v for k, v in row.items()})
+        np.savez_compressed(out_root / f"openvla_oft_{variant}_tiny_outputs.npz", **results)
+        print(f"oft {variant}: {len(cases)} cases -> {out_root / f'openvla_oft_{variant}_tiny_outputs.npz'}")
+
+
+def load_oft_components(oft, out: Path, hidden: int) -> dict:
+    """The action head and proprio projector as OFT's eval loads them (find file, strip ``module.``)."""
+    head = oft.L1RegressionActionHead(input_dim=hidden, hidden_dim=hidden, action_dim=7)
+    head.load_state_dict(oft.utils.load_component_state_dict(oft.utils.find_checkpoint_file(str(out), "action_head")))
+    proprio = oft.ProprioProjector(llm_dim=hidden, proprio_dim=8)
+    proprio.load_state_dict(oft.utils.load_component_state_dict(
+        oft.utils.find_checkpoint_file(str(out), "proprio_projector")))
+    return {"action_head": head.float().eval(), "proprio_projector": proprio.float().eval()}
+
+
+def oft_cases(oft, inputs: dict) -> dict:
+    """OFT's LIBERO ``prepare_observation`` on the captured frame (rotate 180, JPEG + lanczos3 to 224),
+    and two frames of other sizes that ``prepare_images_for_vla`` resizes itself."""
+    raw = {"agentview_image": np.ascontiguousarray(inputs["libero_agentview"][::-1]),
+           "robot0_eye_in_hand_image": np.ascontiguousarray(inputs["libero_wrist"][::-1])}
+    libero = {"full_image": oft.utils.resize_image_for_policy(oft.libero.get_libero_image(raw), 224),
+              "wrist_image": oft.utils.resize_image_for_policy(oft.libero.get_libero_wrist_image(raw), 224),
+              "state": inputs["libero_state"].astype(np.float64), "instruction": str(inputs["libero_instruction"])}
+    rng = np.random.default_rng(3)
+    return {
+        "libero_eval": libero,
+        "maniskill": {"full_image": inputs["maniskill_rgb"], "wrist_image": inputs["gradient"],
+                      "state": rng.uniform(-1.5, 1.5, 8), "instruction": str(inputs["maniskill_instruction"])},
+        "gradient": {"full_image": inputs["gradient"], "wrist_image": inputs["maniskill_rgb"],
+                     "state": rng.uniform(-1.5, 1.5, 8), "instruction": "Put The Bowl On The Stove"},
+    }
+
+
+@torch.no_grad()
+def oft_case(oft, model, processor, heads: dict, case: dict, images: int) -> dict:
+    """OFT's ``get_vla_action`` for one observation, step by step in fp32 (upstream casts the
+    inputs to bf16 for its bf16 model; here model and inputs stay fp32)."""
+    cfg = types.SimpleNamespace(num_images_in_input=images, center_crop=True, use_proprio=bool(heads),
+                                unnorm_key=UNNORM_KEY)
+    all_images = [case["full_image"], case["wrist_image"]][:images]
+    pil = oft.utils.prepare_images_for_vla(all_images, cfg)
+    prompt = f"In: What action should the robot take to {case['instruction'].lower()}?\nOut:"
+    batch = processor(prompt, pil[0])
+    if images > 1:
+        batch["pixel_values"] = torch.cat([batch["pixel_values"]] + [processor(prompt, im)["pixel_values"]
+                                                                     for im in pil[1:]], dim=1)
+    proprio = None
+    if heads:
+        proprio = oft.utils.normalize_proprio(case["state"], model.norm_stats[UNNORM_KEY]["proprio"])
+    actions, hidden = model.predict_action(**batch, unnorm_key=UNNORM_KEY, do_sample=False, proprio=proprio,
+                                           **heads)
+    row = {"images": np.stack([np.array(p) for p in pil]), "instruction": np.array(case["instruction"]),
+           "state": np.asarray(case["state"]), "pixel_values": batch["pixel_values"][0].numpy(),
+           "input_ids": batch["input_ids"][0].numpy(), "actions": np.asarray(actions, dtype=np.float64),
+           "actions_hidden_states": hidden[0].float().numpy()}
+    if proprio is not None:
+        row["proprio"] = np.asarray(proprio)
+    if not heads:
+        row.update(oft_token_logits(model, batch))
+    return row
+
+
+def oft_token_logits(model, batch) -> dict:
+    """The discrete path's logits at the 56 action positions (what ``predict_action`` argmaxes)."""
+    from prismatic.vla.constants import ACTION_DIM, NUM_ACTIONS_CHUNK
+
+    ids = torch.cat([batch["input_ids"], torch.tensor([[29871]])], dim=1)
+    tokens = ACTION_DIM * NUM_ACTIONS_CHUNK
+    mask = torch.ones_like(ids)
+    ids, mask = model._prepare_input_for_action_prediction(ids, mask)
+    labels = model._prepare_labels_for_action_prediction(torch.full_like(ids[:, :-tokens - 1], -100), ids)
+    embeds = model.get_input_embeddings()(ids) * ~model._process_action_masks(labels).unsqueeze(-1)
+    patches = model._process_vision_features(batch["pixel_values"])
+    embeds, mask = model._build_multimodal_attention(embeds, patches, mask)
+    out = model.language_model(inputs_embeds=embeds, attention_mask=mask, output_hidden_states=True)
+    start = patches.shape[1] + ids.shape[1] - tokens - 2  # NUM_PATCHES + NUM_PROMPT_TOKENS
+    logits = out.logits[0, start:start + tokens]
+    return {"logits": logits[:, LOGIT_IDS].numpy(), "predicted_ids": logits.argmax(-1).numpy()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("family", choices=["openvla", "oft"])
     parser.add_argument("--src", type=Path, required=True, help="the upstream repository's snapshot")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    {"openvla": build_openvla}[args.family](args.src, args.out)
+    {"openvla": build_openvla, "oft": build_oft}[args.family](args.src, args.out)
 
 
 if __name__ == "__main__":

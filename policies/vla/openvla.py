@@ -54,7 +54,8 @@ class OpenVLAConfig(PretrainedConfig):
             specs = [ViTSpec(**s) for s in self.vit_specs]
         else:
             overrides = self.timm_overrides or [None] * len(self.timm_model_ids)
-            specs = [timm_spec(i, size, o) for i, size, o in zip(self.timm_model_ids, self.image_sizes, overrides)]
+            specs = [timm_spec(i, size, o)
+                     for i, size, o in zip(self.timm_model_ids, self.image_sizes, overrides, strict=False)]
         return specs if self.use_fused_vision_backbone else specs[:1]
 
     @property
@@ -74,10 +75,15 @@ class PrismaticVisionBackbone(nn.Module):
         self.embed_dim = sum(s.dim for s in specs)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[B, 3 or 6, H, W]`` -> ``[B, P, embed_dim]``."""
+        """``[B, C * N, H, W]`` (``N`` images of ``C`` = 3 or, fused, 6 channels) -> ``[B, N * P, embed_dim]``:
+        each image's patches in turn (OFT's multi-image input: agentview, then wrist)."""
+        channels = 3 if self.fused_featurizer is None else 6
+        return torch.cat([self._features(image) for image in torch.split(pixel_values, channels, dim=1)], dim=1)
+
+    def _features(self, image: torch.Tensor) -> torch.Tensor:
         if self.fused_featurizer is None:
-            return self.featurizer(pixel_values)
-        dino, siglip = torch.split(pixel_values, 3, dim=1)
+            return self.featurizer(image)
+        dino, siglip = torch.split(image, 3, dim=1)
         return torch.cat([self.featurizer(dino), self.fused_featurizer(siglip)], dim=-1)
 
 
@@ -110,6 +116,7 @@ class OpenVLAForActionPrediction(PreTrainedModel):
 
     @property
     def num_patches(self) -> int:
+        """Patch tokens per image."""
         return self.vision_backbone.featurizer.num_patches
 
     def get_input_embeddings(self) -> nn.Module:
