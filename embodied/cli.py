@@ -93,7 +93,7 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
             if not any(item.startswith("runner.run_dir=") for item in rest):
                 cfg.runner.run_dir = None  # a new run, not the checkpoint's directory
         run_dir = _new_run_dir(cfg)
-    check_trainable(cfg.policy.name)
+    check_trainable(cfg.policy)
     if print_cfg:
         print(to_yaml(cfg))
         return 0

@@ -58,6 +58,14 @@ class PolicyConfig:
     unnorm_key: str | None = None  # OpenVLA checkpoints: whose norm_stats un-normalise actions (optional if one)
     backend: str = "hf"  # VLA rollout generation: hf (transformers, KV cache) or vllm (GPU, Qwen-VL only)
     proprio: bool = False  # openvla_oft: feed the env's `state` (proprioception) as one more input token
+    cameras: list[str] = field(default_factory=lambda: ["rgb"])  # VLAs: image observations fed in order (OFT: + wrist_rgb)
+    stop_token: bool = True  # openvla_oft: a STOP token after the action placeholders (OFT, SimpleVLA-RL; RLinf: false)
+    # VLAs: how the checkpoint family wants inputs and actions (policies/vla/adapters.py; each published
+    # family's values: docs/vla_checkpoints.md and its configs/policy/*.yaml)
+    mirror_images: bool = False  # mirror frames left-right (LIBERO-trained OpenVLA/OFT: raw frame rotated 180 deg)
+    dataset_resize: int | None = None  # JPEG round trip + lanczos3 resize to this size first (their RLDS data: 224)
+    center_crop: float | None = None  # keep this central fraction of the area, resized back (random-crop training: 0.9)
+    gripper: str = "none"  # the last action dim: none | libero ([0, 1] -> [-1, 1], binarise, invert)
 
 
 @dataclass
@@ -250,13 +258,27 @@ def _override_error(err: Exception, overrides: list[str]) -> UserError:
     return UserError(f"Could not compose the config from {overrides}: {text.splitlines()[0]}")
 
 
+def _schema_override(override: str) -> str:
+    """``policy.gripper=libero`` -> ``++policy.gripper=libero`` when the schema has the key: a group's
+    yaml file need not spell every key of its dataclass for the key to be set from the command line."""
+    key, sep, _ = override.partition("=")
+    if not sep or "." not in key or key[0] in "+~":
+        return override
+    node = OmegaConf.structured(TrainConfig)
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return override  # unknown: Hydra's error becomes unknown_key_error's paragraph
+        node = node[part]
+    return "++" + override
+
+
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> TrainConfig:
     """Compose ``configs/<config_name>.yaml`` with command-line overrides and validate it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = list(overrides or [])
+    overrides = [_schema_override(o) for o in overrides or []]
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         try:

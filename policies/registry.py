@@ -43,11 +43,17 @@ def make_policy(policy_cfg, obs_spec: dict, action_dim: int):
     return POLICIES.get(policy_cfg.name)(policy_cfg, obs_spec, action_dim)
 
 
-def check_trainable(name: str) -> None:
-    """Raise a UserError if the policy ``name`` cannot be trained (``policy=random``)."""
+def check_trainable(policy_cfg) -> None:
+    """Raise a UserError if the policy cannot be trained: ``policy=random``, or a checkpoint whose
+    policy class says why not (``untrainable_reason(cfg)``: OFT's L1-regression checkpoints)."""
     from embodied.errors import UserError
 
+    name = policy_cfg.name
     check_policy_name(name)
-    if not getattr(POLICIES.get(name), "trainable", True):
+    cls = POLICIES.get(name)
+    if not getattr(cls, "trainable", True):
         raise UserError(f"policy={name} has nothing to train: it is a baseline for `embodied eval` "
                         "(e.g. `embodied eval env=libero_spatial policy=random`). Train policy=mlp or policy=cnn.")
+    reason = getattr(cls, "untrainable_reason", lambda cfg: None)(policy_cfg)
+    if reason:
+        raise UserError(reason)

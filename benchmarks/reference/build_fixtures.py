@@ -214,10 +214,10 @@ def build_openvla(src: Path, out_root: Path) -> None:
     import prismatic.extern.hf.configuration_prismatic as configuration
     import prismatic.extern.hf.modeling_prismatic as modeling
     import prismatic.extern.hf.processing_prismatic as processing
-    from experiments.robot import openvla_utils
+    from experiments.robot import openvla_utils, robot_utils
     from experiments.robot.libero import libero_utils
 
-    hf = types.SimpleNamespace(OpenVLAConfig=configuration.OpenVLAConfig,
+    hf = types.SimpleNamespace(robot_utils=robot_utils, OpenVLAConfig=configuration.OpenVLAConfig,
                                OpenVLAForActionPrediction=modeling.OpenVLAForActionPrediction,
                                PrismaticImageProcessor=processing.PrismaticImageProcessor,
                                PrismaticProcessor=processing.PrismaticProcessor)
@@ -234,9 +234,16 @@ def build_openvla(src: Path, out_root: Path) -> None:
     }
     results = {}
     for name, (image, instruction) in cases.items():
-        results.update({f"{name}/{k}": v for k, v in openvla_case(model, processor, image, instruction).items()})
+        row = openvla_case(model, processor, image, instruction)
+        row["env_action"] = libero_env_action(hf.robot_utils, row["action"])
+        results.update({f"{name}/{k}": v for k, v in row.items()})
     np.savez_compressed(out_root / "openvla_tiny_outputs.npz", **results)
     print(f"openvla: {len(cases)} cases -> {out_root / 'openvla_tiny_outputs.npz'}")
+
+
+def libero_env_action(robot_utils, action: np.ndarray) -> np.ndarray:
+    """What run_libero_eval.py sends to LIBERO: gripper to [-1, 1], binarised, inverted."""
+    return robot_utils.invert_gripper_action(robot_utils.normalize_gripper_action(action.copy(), binarize=True))
 
 
 def center_crop_openvla(openvla_utils, image):
@@ -296,7 +303,7 @@ def import_oft(src: Path) -> types.SimpleNamespace:
     import prismatic.extern.hf.configuration_prismatic as configuration
     import prismatic.extern.hf.modeling_prismatic as modeling
     import prismatic.extern.hf.processing_prismatic as processing
-    from experiments.robot import openvla_utils
+    from experiments.robot import openvla_utils, robot_utils
     from experiments.robot.libero import libero_utils
     from prismatic.models.action_heads import L1RegressionActionHead
     from prismatic.models.projectors import ProprioProjector
@@ -305,7 +312,8 @@ def import_oft(src: Path) -> types.SimpleNamespace:
                                  OpenVLAForActionPrediction=modeling.OpenVLAForActionPrediction,
                                  PrismaticImageProcessor=processing.PrismaticImageProcessor,
                                  PrismaticProcessor=processing.PrismaticProcessor, utils=openvla_utils,
-                                 libero=libero_utils, L1RegressionActionHead=L1RegressionActionHead,
+                                 libero=libero_utils, robot_utils=robot_utils,
+                                 L1RegressionActionHead=L1RegressionActionHead,
                                  ProprioProjector=ProprioProjector)
 
 
@@ -348,6 +356,7 @@ def build_oft(src: Path, out_root: Path) -> None:
         results = {}
         for name, case in cases.items():
             row = oft_case(oft, model, processor, heads, case, images)
+            row["env_actions"] = libero_env_action(oft.robot_utils, row["actions"])
             results.update({f"{name}/{k}": v for k, v in row.items()})
         np.savez_compressed(out_root / f"openvla_oft_{variant}_tiny_outputs.npz", **results)
         print(f"oft {variant}: {len(cases)} cases -> {out_root / f'openvla_oft_{variant}_tiny_outputs.npz'}")

@@ -26,6 +26,7 @@ from torch import nn
 
 from policies.registry import POLICIES
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
+from policies.vla.adapters import InputAdapter
 from policies.vla.openvla import PROMPT, OpenVLAForActionPrediction, tiny_config
 from policies.vla.processor import ImageProcessing, byte_tokenizer, tokenize_prompts
 
@@ -85,6 +86,7 @@ class TokenVLAPolicy(nn.Module):
         self.temperature, self.instruction = cfg.temperature, cfg.instruction
         self.model_path, self.unnorm_key = cfg.model_path, cfg.unnorm_key
         self.backend, self.generator = cfg.backend, None  # generator: the vLLM engine, once built
+        self.adapter = InputAdapter.from_config(cfg)
         if cfg.backend not in GENERATION_BACKENDS:
             from embodied.errors import unknown_name_error
 
@@ -208,10 +210,11 @@ class TokenVLAPolicy(nn.Module):
             (Path(path) / STATS_FILE).write_text(json.dumps({key: {"action": stats.to_dict()}}, indent=1))
 
     def to_env(self, actions: torch.Tensor) -> torch.Tensor:
-        """Sampled bins ``[B, T]`` -> continuous env actions (bin centres, un-normalised): ``[B, A]``,
-        or ``[B, chunk_size, A]`` for action chunks."""
+        """Sampled bins ``[B, T]`` -> continuous env actions (bin centres, un-normalised, then the
+        checkpoint family's gripper post-processing): ``[B, A]``, or ``[B, chunk_size, A]`` for chunks."""
         decoded = self.actions.decode(self.actions.action_ids.to(actions.device)[actions.long()].unflatten(
             -1, (self.chunk_size, self.action_dim)))
+        decoded = self.adapter.actions(decoded)
         return decoded if self.chunk_size > 1 else decoded[:, 0]
 
 
@@ -256,11 +259,16 @@ def weights_dtype(name: str) -> torch.dtype:
     return WEIGHT_DTYPES[name]
 
 
-def require_images(obs_spec: dict, name: str) -> None:
-    if "rgb" not in obs_spec:
-        from embodied.errors import UserError
+def require_images(obs_spec: dict, name: str, cameras: list[str] | tuple[str, ...] = ("rgb",)) -> None:
+    from embodied.errors import UserError
 
+    if "rgb" not in obs_spec:
         raise UserError(f"policy={name} needs camera images: use an env with obs_mode: rgb.")
+    missing = [c for c in cameras if c not in obs_spec]
+    if missing:
+        raise UserError(f"policy.cameras={list(cameras)}: this env has no {missing} observation (it has "
+                        f"{sorted(obs_spec)}). Drop them from policy.cameras, or use an env that renders them "
+                        "(LIBERO gives rgb and wrist_rgb).")
 
 
 def make_value_head(hidden: int) -> nn.Module:
@@ -300,7 +308,8 @@ class OpenVLAPolicy(TokenVLAPolicy):
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
-        require_images(obs_spec, "openvla")
+        require_images(obs_spec, "openvla", cfg.cameras)
+        self.cameras = list(cfg.cameras)
         if cfg.model_path:
             from transformers import AutoTokenizer
 
@@ -333,13 +342,18 @@ class OpenVLAPolicy(TokenVLAPolicy):
         device = self.value_head[0].weight.device
         return ids.to(device), mask.to(device)
 
+    def _pixel_values(self, obs: dict[str, torch.Tensor], device) -> torch.Tensor:
+        """``policy.cameras``' frames through the family's adapter and the checkpoint's processor,
+        stacked on channels (OFT's multi-image input): ``[B, 3 * backbones * cameras, S, S]``."""
+        return torch.cat([self.images(self.adapter.frames(obs[c])) for c in self.cameras], dim=1).to(device)
+
     def _run(self, obs, action_ids=None, use_cache=False):
         ids, mask = self._prompt_ids(obs)
         device = ids.device
         if action_ids is not None:
             ids = torch.cat([ids, action_ids], dim=1)
             mask = torch.cat([mask, torch.ones_like(action_ids)], dim=1)
-        embeds, mask = self.model.multimodal_embeddings(ids, self.images(obs["rgb"]).to(device), mask)
+        embeds, mask = self.model.multimodal_embeddings(ids, self._pixel_values(obs, device), mask)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: every row counts from its BOS
         out = self.model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
                                         use_cache=use_cache, output_hidden_states=True)

@@ -3,10 +3,13 @@
 Prompt: ``<|vision_start|><|image_pad|> x N<|vision_end|>What action should the robot take to
 {instruction}?`` (``N`` image tokens: the image processor's patch grid merged 2 x 2), then one
 action token per action dimension. ``policy.model_path`` loads a saved Qwen2.5-VL directory
-(model + tokenizer; action tokens are added when missing); without it a tiny model is built.
+(model + tokenizer + preprocessor_config.json, whose image processing is used; action tokens are
+added when missing); without it a tiny model is built.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -25,7 +28,7 @@ from policies.vla.policy import (
     require_images,
     require_model_dir,
 )
-from policies.vla.processor import byte_tokenizer, tokenize_prompts
+from policies.vla.processor import PREPROCESSOR_FILE, byte_tokenizer, tokenize_prompts
 
 QWEN_PROMPT = "What action should the robot take to {instruction}?"
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -49,6 +52,20 @@ def tiny_qwen_config(tokenizer, image_size: int = 56, hidden: int = 128) -> Qwen
               "window_size": 56}
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=pad, vision_start_token_id=start,
                             vision_end_token_id=end)
+
+
+def qwen_image_processor(model_dir: str | None, image_size: int) -> Qwen2VLImageProcessorPil:
+    """Qwen2.5-VL's image processor as ``model_dir``'s preprocessor_config.json sets it up (pixel
+    range, patch / merge / temporal patch size, resample, rescale, mean / std), its pixel count
+    capped at ``policy.image_size ** 2``; transformers' defaults (min 56 x 56 pixels) without one.
+    Images are resized to multiples of ``patch_size * merge_size`` (28) px within the pixel range:
+    a 64 px cap turns 96 px frames into 56 px, 2 x 2 image tokens."""
+    path = Path(model_dir) / PREPROCESSOR_FILE if model_dir else None
+    if path is None or not path.exists():
+        return Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": image_size ** 2})
+    images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    images.size = {**images.size, "longest_edge": min(images.size["longest_edge"], image_size ** 2)}
+    return images
 
 
 def tiny_tokenizer():
@@ -85,9 +102,8 @@ class QwenVLPolicy(TokenVLAPolicy):
         actions = ActionTokenizer(stats, mode="added", first_id=first)
         self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size,
                        self.model.model.language_model)
-        # images are resized to multiples of 28 px within these pixel counts (64 -> 56 px: 4 image tokens)
         self.image_size = cfg.image_size
-        self.images = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": cfg.image_size ** 2})
+        self.images = qwen_image_processor(cfg.model_path, cfg.image_size)
 
     def _qwen_prompts(self, obs, image_tokens: int) -> list[str]:
         start, pad, end = VISION_TOKENS
