@@ -217,12 +217,12 @@ def cmd_sft(overrides: list[str]) -> int:
     from embodied.config import compose
     from embodied.evaluate import summarize, write_eval
     from embodied.sft import train_sft
-    from envs.registry import check_env_config, seed_scheme
+    from envs.registry import check_env_config, env_action_dim, seed_scheme
     from policies.registry import check_policy_config
 
     cfg = compose(overrides)
     check_env_config(cfg.env)
-    check_policy_config(cfg.policy)
+    check_policy_config(cfg.policy, env_action_dim(cfg.env))
     run_dir = Path(cfg.runner.run_dir) if cfg.runner.run_dir else (
         Path("runs") / f"sft-{cfg.env.task}-{cfg.policy.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     stats = train_sft(cfg, run_dir)

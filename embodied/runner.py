@@ -22,7 +22,7 @@ from embodied.evaluate import summarize
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
 from embodied.workers.rollout_worker import BOOTSTRAP_MASKS, RolloutWorker
-from envs.registry import check_env_config, seed_scheme
+from envs.registry import check_env_config, env_action_dim, seed_scheme
 from envs.subproc import EnvCrashedError
 from policies.registry import check_policy_config
 from scheduler.auto import AutoPlan, auto_placement
@@ -56,7 +56,7 @@ class Workers:
         # bad names fail here, in seconds, before any worker starts
         check_env_config(cfg.env)
         seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)  # eval.tasks is checked now, not after training
-        check_policy_config(cfg.policy)
+        check_policy_config(cfg.policy, env_action_dim(cfg.env))
         for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
                                (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap),
                                (LOGPROB_LEVELS, cfg.algorithm.logprob_level),

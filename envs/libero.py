@@ -258,7 +258,7 @@ def validate_libero(cfg) -> None:
                         "(agentview + wrist images) or 'state' (no cameras, no rendering).")
 
 
-@register_env("libero", validate=validate_libero, seeds=LiberoSeeds())
+@register_env("libero", validate=validate_libero, seeds=LiberoSeeds(), action_dim=lambda cfg: 7)
 def make_libero(cfg, num_envs: int, num_procs: int):
     """One LIBERO env per process (``num_procs`` is raised to ``num_envs``: MuJoCo scenes are
     heavy and render on the CPU, so envs never share a process)."""

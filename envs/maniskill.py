@@ -237,7 +237,18 @@ def validate_maniskill(cfg) -> None:
                         "use env.sim_backend=physx_cpu (or auto).")
 
 
-@register_env("maniskill", validate=validate_maniskill)
+# the Panda arm's action sizes per controller (7 joints + gripper; end effector + gripper)
+PANDA_ACTION_DIMS = {"pd_joint_delta_pos": 8, "pd_joint_pos": 8, "pd_joint_target_delta_pos": 8,
+                     "pd_ee_delta_pos": 4, "pd_ee_target_delta_pos": 4, "pd_ee_delta_pose": 7,
+                     "pd_ee_target_delta_pose": 7}
+
+
+def panda_action_dim(cfg) -> int | None:
+    """The action size of the Panda tasks this project names (INSTRUCTIONS), else None."""
+    return PANDA_ACTION_DIMS.get(cfg.control_mode) if cfg.task in INSTRUCTIONS else None
+
+
+@register_env("maniskill", validate=validate_maniskill, action_dim=panda_action_dim)
 def make_maniskill(cfg, num_envs: int, num_procs: int):
     """Build a ManiSkill VecEnv from an :class:`~embodied.config.EnvConfig`."""
     cuda = torch.cuda.is_available()

@@ -45,19 +45,24 @@ class SeedScheme:
 
 
 ENV_SEED_SCHEMES: dict[str, SeedScheme] = {}
+ENV_ACTION_DIMS: dict[str, Callable] = {}  # backend -> action_dim(env_cfg), known without building the env
 
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
 _BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero"})
 
 
-def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None) -> Callable:
+def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None,
+                 action_dim: Callable | None = None) -> Callable:
     """Register a backend; ``validate(env_cfg)`` raises UserError for bad names before any sim
-    starts; ``seeds`` says how its episodes are named by seeds (default :class:`SeedScheme`)."""
+    starts; ``seeds`` says how its episodes are named by seeds (default :class:`SeedScheme`);
+    ``action_dim(env_cfg)`` is the action size where it is known without building an env (else None)."""
 
     def decorator(fn: Callable) -> Callable:
         ENV_BACKENDS[name] = fn
         ENV_SEED_SCHEMES[name] = seeds or SeedScheme()
+        if action_dim is not None:
+            ENV_ACTION_DIMS[name] = action_dim
         if validate is not None:
             ENV_VALIDATORS[name] = validate
         return fn
@@ -74,6 +79,14 @@ def check_env_config(env_cfg) -> None:
     _load_backend(env_cfg)
     if env_cfg.backend in ENV_VALIDATORS:
         ENV_VALIDATORS[env_cfg.backend](env_cfg)
+
+
+def env_action_dim(env_cfg) -> int | None:
+    """The env's action size before any env starts (None where only a built env knows it), so a
+    policy checkpoint of another action size fails before workers start."""
+    _load_backend(env_cfg)
+    known = ENV_ACTION_DIMS.get(env_cfg.backend)
+    return known(env_cfg) if known else None
 
 
 def seed_scheme(env_cfg) -> SeedScheme:

@@ -22,8 +22,11 @@ def check_policy_name(name: str) -> None:
     POLICIES.get(name)
 
 
-def check_policy_config(policy_cfg) -> None:
-    """Raise a UserError for an unknown policy name or a ``model_path`` that holds no model."""
+def check_policy_config(policy_cfg, action_dim: int | None = None) -> None:
+    """Raise a UserError for an unknown policy name or a ``model_path`` that holds no model, and
+    whatever the policy class's ``check_config(cfg, action_dim)`` finds (files missing from a
+    checkpoint, an ``unnorm_key`` it lacks, statistics of another action size), before any worker starts.
+    ``action_dim``: the env's, where known without building it (``envs.registry.env_action_dim``)."""
     check_policy_name(policy_cfg.name)
     if policy_cfg.chunk_size < 1 or (policy_cfg.chunk_size > 1 and not POLICIES.get(policy_cfg.name).chunks):
         from embodied.errors import UserError
@@ -35,6 +38,9 @@ def check_policy_config(policy_cfg) -> None:
         from policies.vla.policy import require_model_dir
 
         require_model_dir(policy_cfg.model_path, "the model")
+    check = getattr(POLICIES.get(policy_cfg.name), "check_config", None)
+    if check is not None:
+        check(policy_cfg, action_dim)
 
 
 def make_policy(policy_cfg, obs_spec: dict, action_dim: int):

@@ -219,7 +219,7 @@ def test_critic_warmup_update_trains_only_the_critic_and_fits_the_returns(model)
     batch = {"obs": {k: v[None] for k, v in obs.items()}, "actions": actions[None], "logprobs": logprob[None],
              "values": value[None], "rewards": rewards, "dones": torch.ones(1, 16, dtype=torch.bool),
              "next_value": torch.zeros(16)}
-    cfg = compose(["algorithm.update_epochs=20", "algorithm.num_minibatches=1", "algorithm.target_kl=null"]).algorithm
+    cfg = compose(["algorithm.update_epochs=40", "algorithm.num_minibatches=1", "algorithm.target_kl=null"]).algorithm
     critic = {n for n, _ in policy.named_parameters() if n.startswith(policy.critic_modules)}
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -28,7 +29,12 @@ from policies.registry import POLICIES
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.adapters import InputAdapter
 from policies.vla.openvla import PROMPT, OpenVLAForActionPrediction, tiny_config
-from policies.vla.processor import ImageProcessing, byte_tokenizer, tokenize_prompts
+from policies.vla.processor import (
+    PREPROCESSOR_FILE,
+    ImageProcessing,
+    byte_tokenizer,
+    tokenize_prompts,
+)
 
 GENERATION_BACKENDS = ["hf", "vllm"]  # hf: this module's KV-cached decoding; vllm: vllm_backend.py
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -279,7 +285,30 @@ STATS_FILE = "dataset_statistics.json"  # OpenVLA's: {dataset: {"action": {"q01"
 EMPTY_PIECE = "\u2581"  # SentencePiece's word boundary on its own: id 29871 in Llama-2's vocabulary
 
 
-def checkpoint_action_stats(model_dir: str, config, unnorm_key: str | None, action_dim: int) -> ActionStats:
+def check_model_files(model_dir: str, needs_processor: bool) -> None:
+    """A UserError naming every file a checkpoint directory lacks: the weights (every shard its
+    index names), a tokenizer and, for OpenVLA-style models, ``preprocessor_config.json``."""
+    from embodied.errors import UserError
+
+    root = Path(model_dir)
+    missing = []
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing += [s for s in shards if not (root / s).exists()]
+    elif not any((root / f).exists() for f in ("model.safetensors", "pytorch_model.bin")):
+        missing.append("model.safetensors (or model.safetensors.index.json and its shards)")
+    if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        missing.append("tokenizer.json or tokenizer.model")
+    if needs_processor and not (root / PREPROCESSOR_FILE).exists():
+        missing.append(f"{PREPROCESSOR_FILE} (the image processor's resize and normalisation)")
+    if missing:
+        raise UserError(f"policy.model_path={model_dir} is missing {', '.join(missing)}. Copy the whole checkpoint "
+                        "directory (`huggingface-cli download <repo> --local-dir <dir>` on a machine with internet "
+                        "fetches every file); nothing is downloaded at run time.")
+
+
+def checkpoint_action_stats(model_dir: str, config, unnorm_key: str | None, action_dim: int | None) -> ActionStats:
     """The q01 / q99 action statistics a real OpenVLA checkpoint was trained with: ``norm_stats``
     in its config.json (a ``dataset_statistics.json`` beside it wins, as in OpenVLA), for the
     dataset ``policy.unnorm_key`` (optional when there is one). None there: actions in [-1, 1]."""
@@ -295,9 +324,13 @@ def checkpoint_action_stats(model_dir: str, config, unnorm_key: str | None, acti
         raise UserError(f"policy.unnorm_key={unnorm_key}: {model_dir} has action statistics for {sorted(stats)}. "
                         "Set policy.unnorm_key to the dataset whose actions the env takes.")
     action = stats[unnorm_key]["action"]
+    if action_dim is None:  # the env's action size is not known yet: checked again when the policy is built
+        action_dim = len(action["q01"])
     if len(action["q01"]) != action_dim:
-        raise UserError(f"policy.unnorm_key={unnorm_key} has {len(action['q01'])}-dim actions; the env's are "
-                        f"{action_dim}-dim. Pick the statistics of a dataset with this env's action space.")
+        raise UserError(f"policy.unnorm_key={unnorm_key} of {model_dir} has {len(action['q01'])}-dim actions; the "
+                        f"env's are {action_dim}-dim. This checkpoint was trained for another robot or controller: "
+                        "pick the statistics of a dataset with this env's action space (policy.unnorm_key), an env "
+                        "whose actions match (e.g. env.control_mode), or a checkpoint trained for this env.")
     mask = action.get("mask", [True] * action_dim)
     return ActionStats(torch.tensor(action["q01"]), torch.tensor(action["q99"]), torch.tensor(mask, dtype=torch.bool))
 
@@ -330,6 +363,17 @@ class OpenVLAPolicy(TokenVLAPolicy):
                                   vocab_size=self.model.config.action_vocab_size)
         self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size, self.model.language_model)
         self.empty_piece = self.tokenizer.get_vocab().get(EMPTY_PIECE)
+
+    @staticmethod
+    def check_config(cfg, action_dim: int | None) -> None:
+        """Before any worker starts: the checkpoint's files, its ``unnorm_key`` and action size."""
+        InputAdapter.from_config(cfg)
+        weights_dtype(cfg.dtype)
+        if cfg.model_path:
+            check_model_files(cfg.model_path, needs_processor=True)
+            config = json.loads((Path(cfg.model_path) / "config.json").read_text())
+            checkpoint_action_stats(cfg.model_path, SimpleNamespace(norm_stats=config.get("norm_stats")),
+                                    cfg.unnorm_key, action_dim)
 
     def _prompt_ids(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt ids and mask ``[B, L]`` (left-padded). OpenVLA was trained on "Out: " then the

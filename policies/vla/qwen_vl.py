@@ -17,6 +17,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
 )
+from transformers.image_utils import SizeDict
 
 from policies.registry import POLICIES
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
@@ -64,7 +65,8 @@ def qwen_image_processor(model_dir: str | None, image_size: int) -> Qwen2VLImage
     if path is None or not path.exists():
         return Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": image_size ** 2})
     images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
-    images.size = {**images.size, "longest_edge": min(images.size["longest_edge"], image_size ** 2)}
+    images.size = SizeDict(shortest_edge=images.size.shortest_edge,
+                           longest_edge=min(images.size.longest_edge, image_size ** 2))
     return images
 
 
