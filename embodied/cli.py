@@ -174,7 +174,7 @@ def cmd_eval(overrides: list[str]) -> int:
     out_dir = _out_dir(cfg, path, "eval")
     seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
     record = video_episodes(seeds, cfg.env, cfg.eval.videos_per_task)
-    if state is None:
+    if state is None and not cfg.policy.model_path:
         print(f"note: no checkpoint given: evaluating policy={cfg.policy.name} as initialised", file=sys.stderr)
     t0 = time.perf_counter()
     rows, videos, max_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)

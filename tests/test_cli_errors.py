@@ -69,3 +69,38 @@ def test_env_that_fails_to_build_names_the_cause_and_exits_3():
     assert proc.returncode == 3, proc.stderr[-2000:]
     error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert error and "failed to start" in error[0] and "pd_bogus not in supported modes" in error[0]
+
+
+ASSETS = "assets/reference"
+CHECKPOINT_CASES = {
+    # (command, the fixture, a file to delete from a copy of it or None, overrides, words the message must have)
+    "checkpoint missing a file": ("eval", "openvla_tiny", "model.safetensors", ["env=libero_spatial",
+                                  "policy=openvla_7b_libero", "policy.unnorm_key=libero_spatial_no_noops"],
+                                  ["missing model.safetensors", "huggingface-cli"]),
+    "unnorm_key not in the statistics": ("eval", "openvla_tiny", None, ["env=libero_spatial", "policy=openvla_7b_libero",
+                                         "policy.unnorm_key=libero_goal"], ["libero_goal", "libero_spatial_no_noops"]),
+    "L1 OFT checkpoint to train": ("train", "openvla_oft_l1_tiny", None, ["env=libero_spatial",
+                                   "policy=openvla_oft_7b_libero"], ["L1-regression", "token OFT"]),
+    "checkpoint of another action size": ("eval", "openvla_tiny", None, ["env=maniskill_pushcube_rgb",
+                                          "policy=openvla_7b_libero", "policy.unnorm_key=bridge_orig"],
+                                          ["7-dim actions", "8-dim", "env.control_mode"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINT_CASES))
+def test_bad_checkpoint_gives_one_paragraph_and_exit_2_before_workers_start(name, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    command, fixture, delete, overrides, must_mention = CHECKPOINT_CASES[name]
+    model = Path(__file__).resolve().parents[1] / ASSETS / fixture
+    if delete:
+        model = Path(shutil.copytree(model, tmp_path / fixture))
+        (model / delete).unlink()
+    proc = run_cli(command, f"policy.model_path={model}", "policy.dtype=float32", *overrides, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
+    message = proc.stderr.strip().splitlines()
+    assert message and message[0].startswith("error: ") and len(message) <= 3, proc.stderr
+    for word in must_mention:
+        assert word in proc.stderr, (word, proc.stderr)

@@ -322,7 +322,8 @@ def checkpoint_action_stats(model_dir: str, config, unnorm_key: str | None, acti
         unnorm_key = next(iter(stats))
     if unnorm_key not in stats:
         raise UserError(f"policy.unnorm_key={unnorm_key}: {model_dir} has action statistics for {sorted(stats)}. "
-                        "Set policy.unnorm_key to the dataset whose actions the env takes.")
+                        f"Set policy.unnorm_key to the dataset whose actions the env takes (e.g. "
+                        f"policy.unnorm_key={sorted(stats)[-1]}).")
     action = stats[unnorm_key]["action"]
     if action_dim is None:  # the env's action size is not known yet: checked again when the policy is built
         action_dim = len(action["q01"])
