@@ -142,8 +142,10 @@ def _transform_from_saved(resize: dict, crop: dict, normalize: dict) -> Backbone
 
 
 def tokenize_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(input_ids, attention_mask)`` ``[B, L]``, each row ``[BOS] + prompt``."""
-    rows = [[tokenizer.bos_token_id] + tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    """Left-padded ``(input_ids, attention_mask)`` ``[B, L]``, each row ``[BOS] + prompt`` (no BOS where
+    the tokenizer has none)."""
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]  # Qwen's tokenizer has none
+    rows = [bos + tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     length = max(len(r) for r in rows)
     ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)

@@ -73,10 +73,10 @@ class VLLMGenerator:
                             "with policy.model_path); OpenVLA models have no vLLM implementation: use backend=hf.")
         vllm = require_vllm()
         self.vllm, self.policy = vllm, policy
-        pixels = policy.image_size ** 2
+        size = policy.images.size  # the HF path's processor (the checkpoint's, capped): same image tokens
         self.llm = vllm.LLM(model=policy.model_path, dtype="bfloat16", seed=seed, enforce_eager=True,
                             gpu_memory_utilization=memory_fraction, limit_mm_per_prompt={"image": 1},
-                            mm_processor_kwargs={"min_pixels": 56 * 56, "max_pixels": pixels},
+                            mm_processor_kwargs={"min_pixels": size.shortest_edge, "max_pixels": size.longest_edge},
                             worker_extension_cls=WORKER_EXTENSION)
         self.stale = False
 
