@@ -170,3 +170,22 @@ def test_token_oft_acts_as_upstream_discrete_prediction(oft_token, case):
     tokens = policy.actions.action_ids[bins.long()].unflatten(-1, (8, 7))
     np.testing.assert_allclose(policy.actions.decode(tokens)[0].numpy(), ref[f"{case}/actions"], rtol=0, atol=1e-6)
     np.testing.assert_allclose(env_chunk, ref[f"{case}/env_actions"], rtol=0, atol=1e-6)
+
+
+def test_token_oft_checkpoint_trains_with_lora_from_the_log_probs_it_sampled_with():
+    """RL starts from a token OFT checkpoint: LoRA on it, rollout log-probs equal the update's, and a
+    policy-gradient step reaches only the adapters and the value head."""
+    policy = load_policy("openvla_oft_7b_simplevla", "openvla_oft_token_tiny", "policy.lora_rank=4").train()
+    inputs = np.load(ASSETS / "inputs.npz")
+    frames = [np.stack([inputs["libero_agentview"], inputs["libero_wrist"]])]
+    obs = {"rgb": torch.from_numpy(frames[0]), "instruction": torch.from_numpy(
+        np.stack([encode_instruction(str(inputs["libero_instruction"])), encode_instruction("open the drawer")]))}
+    bins, logp, _ = policy.act(obs, noise=torch.randn(2, policy.noise_dim, generator=torch.Generator().manual_seed(0)))
+    with torch.enable_grad():
+        token_logp, _, value = policy.evaluate(obs, bins)
+        (-(token_logp.sum()) + value.square().sum()).backward()
+    np.testing.assert_allclose(token_logp.detach().numpy(), logp.numpy(), rtol=0, atol=1e-5)
+    touched = {n for n, p in policy.named_parameters() if p.grad is not None and bool(p.grad.abs().sum() > 0)}
+    assert any("lora_" in n for n in touched) and any(n.startswith("value_head") for n in touched)
+    assert all("lora_" in n or n.startswith("value_head") for n in touched)
+    assert policy.to_env(bins).shape == (2, 8, 7)

@@ -18,6 +18,7 @@ rollouts are as reproducible as a Gaussian policy's.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -234,13 +235,30 @@ def require_model_dir(path: str, hub_id: str) -> None:
                         f"download {hub_id} --local-dir {path}`), copy it here, or use a *_tiny policy config.")
 
 
+@contextmanager
+def quiet_transformers():
+    """No progress bars or advice from transformers while a checkpoint loads (every worker loads one);
+    real problems are ours to report (:func:`load_strictly`)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
 def load_strictly(model_class, model_dir: str, dtype: torch.dtype):
     """``model_class.from_pretrained`` that fails on any missing, unexpected or misshapen weight
     (transformers only warns, and a half-loaded VLA acts plausibly but wrongly)."""
     from embodied.errors import UserError
 
     try:
-        model, info = model_class.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
+        with quiet_transformers():
+            model, info = model_class.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as err:
         raise UserError(f"policy.model_path={model_dir} does not load as {model_class.__name__}: {err}. Check that "
                         "the directory is a complete copy of the checkpoint (config.json and every "
@@ -350,7 +368,8 @@ class OpenVLAPolicy(TokenVLAPolicy):
             require_model_dir(cfg.model_path, "openvla/openvla-7b")
             self.model = load_strictly(OpenVLAForActionPrediction, cfg.model_path, weights_dtype(cfg.dtype))
             # trust_remote_code=False: config.json's auto_map names upstream's code, which we never run
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=False)
+            with quiet_transformers():  # it warns that config.json's model_type is not one of its own
+                self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=False)
         else:
             self.tokenizer = byte_tokenizer()
             self.model = OpenVLAForActionPrediction(tiny_config(len(self.tokenizer), cfg.image_size))
