@@ -198,15 +198,21 @@ def cmd_eval(overrides: list[str]) -> int:
 
 def cmd_record(overrides: list[str]) -> int:
     from embodied.evaluate import record_videos, recording_seeds
+    from envs.registry import check_env_config, env_action_dim
+    from policies.registry import check_policy_config
 
     cfg, state, path = _checkpointed(overrides)
-    policy = None
+    policy, as_built = None, None
     if state is not None:
         policy = _policy_from_state(cfg, state["obs_spec"], state["action_dim"], state["actor"]["policy"])
+    elif cfg.policy.model_path:  # no run checkpoint, but a model directory (a public checkpoint): film it
+        check_env_config(cfg.env)
+        check_policy_config(cfg.policy, env_action_dim(cfg.env))
+        as_built = cfg.policy
     out_dir = _out_dir(cfg, path, "videos")
     episodes = max(cfg.eval.video_episodes, 1)
     seeds = recording_seeds(cfg.env, cfg.eval, episodes)
-    for video in record_videos(policy, cfg.env, seeds, out_dir, cfg.eval.deterministic):
+    for video in record_videos(policy, cfg.env, seeds, out_dir, cfg.eval.deterministic, policy_cfg=as_built):
         print(video.resolve())
     return 0
 

@@ -173,14 +173,19 @@ def recording_seeds(env_cfg, eval_cfg, episodes: int) -> list[int]:
 
 
 @torch.no_grad()
-def record_videos(policy, env_cfg, seeds: list[int], out_dir: Path, deterministic: bool = True) -> list[Path]:
-    """Record one full-length episode per seed (``policy=None``: uniform random actions).
+def record_videos(policy, env_cfg, seeds: list[int], out_dir: Path, deterministic: bool = True,
+                  policy_cfg=None) -> list[Path]:
+    """Record one full-length episode per seed (``policy=None``: ``policy_cfg``'s policy as built,
+    e.g. a public checkpoint's ``model_path``; neither: uniform random actions).
 
     One mp4 per episode, ``<out_dir>/episode_<k>_seed_<s>.mp4``, rendered in this process.
     """
     from envs.registry import make_vec_env
+    from policies.registry import make_policy
 
     env = make_vec_env(env_cfg, num_envs=1, num_procs=0)
+    if policy is None and policy_cfg is not None:
+        policy = make_policy(policy_cfg, env.obs_spec, env.action_dim).eval()
     env.set_ignore_terminations(True)
     paths = []
     generator = torch.Generator().manual_seed(seeds[0] if seeds else 0)

@@ -189,3 +189,19 @@ def test_token_oft_checkpoint_trains_with_lora_from_the_log_probs_it_sampled_wit
     assert any("lora_" in n for n in touched) and any(n.startswith("value_head") for n in touched)
     assert all("lora_" in n or n.startswith("value_head") for n in touched)
     assert policy.to_env(bins).shape == (2, 8, 7)
+
+
+def test_record_films_an_l1_oft_checkpoint_on_libero(tmp_path):
+    """`embodied record` with a public-format checkpoint (no run): both cameras, proprio, the L1 head's chunks."""
+    import imageio
+
+    from tests.conftest import run_cli
+
+    proc = run_cli("record", "env=libero_spatial", "env.max_episode_steps=16", "env.image_size=64",
+                   "policy=openvla_oft_7b_libero", f"policy.model_path={ASSETS / 'openvla_oft_l1_tiny'}",
+                   "policy.dtype=float32", "policy.unnorm_key=libero_spatial_no_noops", "eval.video_episodes=1",
+                   f"runner.run_dir={tmp_path}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (video,) = tmp_path.glob("episode_0_seed_*.mp4")
+    frames = imageio.mimread(video)
+    assert len(frames) == 16 and not (frames[0] == frames[-1]).all()  # the checkpoint moved the arm
