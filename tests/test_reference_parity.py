@@ -205,3 +205,47 @@ def test_record_films_an_l1_oft_checkpoint_on_libero(tmp_path):
     (video,) = tmp_path.glob("episode_0_seed_*.mp4")
     frames = imageio.mimread(video)
     assert len(frames) == 16 and not (frames[0] == frames[-1]).all()  # the checkpoint moved the arm
+
+
+def test_token_oft_batch_acts_as_simplevla_rl_rollout(oft_token):
+    """SimpleVLA-RL's own batched rollout (``generate_action_verl``, greedy, padded prompts of three
+    lengths) against ours on the same batch: logits, the 56 tokens and the actions of every row."""
+    policy, ref = oft_token
+    simplevla = dict(np.load(ASSETS / "openvla_oft_token_tiny_simplevla_outputs.npz"))
+    cases = [str(c) for c in simplevla["cases"]]
+    obs = {"rgb": torch.from_numpy(np.stack([ref[f"{c}/images"][0] for c in cases])),
+           "instruction": torch.from_numpy(np.stack([encode_instruction(str(ref[f"{c}/instruction"])) for c in cases]))}
+    assert len(set(simplevla["attention_mask"].sum(1).tolist())) == 3  # three prompt lengths: padding matters
+    saved, policy.adapter = policy.adapter, type(policy.adapter)()
+    try:
+        logits, _, _ = policy._forward(obs)
+        bins, _, _ = policy.act(obs, deterministic=True)
+    finally:
+        policy.adapter = saved
+    np.testing.assert_allclose(logits[..., LOGIT_IDS].numpy(), simplevla["logits"], rtol=0, atol=1e-5)
+    tokens = policy.actions.action_ids[bins.long()]
+    assert tokens.tolist() == simplevla["response_ids"].tolist()
+    np.testing.assert_allclose(policy.actions.decode(tokens.unflatten(-1, (8, 7))).numpy(), simplevla["actions"],
+                               rtol=0, atol=1e-6)
+
+
+def test_openvla_batch_of_prompts_of_different_lengths_acts_as_each_alone(openvla):
+    """Padding must not move a row's image patches or positions: instructions of three lengths in one
+    batch give each row's batch-1 tokens and logits (a padded row once had its patches before its BOS)."""
+    policy, ref = openvla
+    frame = ref["libero_eval/image"]
+    texts = [str(ref[f"{c}/instruction"]) for c in ("libero_eval", "maniskill", "gradient")]
+    saved, policy.adapter = policy.adapter, type(policy.adapter)()
+    try:
+        batch = {"rgb": torch.from_numpy(np.stack([frame] * 3)),
+                 "instruction": torch.from_numpy(np.stack([encode_instruction(t) for t in texts]))}
+        together, _, _ = policy.act(batch, deterministic=True)
+        tokens = policy.actions.action_ids[together.long()]
+        logits, _, _ = policy._run(batch, tokens[:, :-1])
+        for i, text in enumerate(texts):
+            alone, _, _ = policy.act(observation([frame], text), deterministic=True)
+            assert torch.equal(alone[0], together[i])
+            row_logits, _, _ = policy._run(observation([frame], text), tokens[i:i + 1, :-1])
+            torch.testing.assert_close(logits[i, -7:], row_logits[0, -7:], rtol=0, atol=1e-5)
+    finally:
+        policy.adapter = saved

@@ -437,13 +437,70 @@ def oft_token_logits(model, batch) -> dict:
     return {"logits": logits[:, LOGIT_IDS].numpy(), "predicted_ids": logits.argmax(-1).numpy()}
 
 
+# -- SimpleVLA-RL's batched token OFT rollout ---------------------------------------------------
+def build_simplevla(src: Path, out_root: Path) -> None:
+    """PRIME-RL/SimpleVLA-RL's ``generate_action_verl`` (greedy, its rollout's padding: right-pad,
+    then a stable argsort moving pads left) on the token OFT fixture, the three cases in one batch."""
+    import os
+
+    os.environ["ROBOT_PLATFORM"] = "LIBERO"  # its constants.py reads this (else ALOHA's 25 x 14 chunks)
+    root = Path(tempfile.mkdtemp(prefix="simplevla-"))
+    (root / "simplevla_oft").symlink_to(src / "verl" / "utils" / "vla_utils" / "openvla_oft")
+    sys.path.insert(0, str(root))
+    tiny_timm()
+    import simplevla_oft.modeling_prismatic as modeling
+    import simplevla_oft.processing_prismatic as processing
+    from torch.nn.utils.rnn import pad_sequence
+    from transformers import AutoTokenizer
+
+    out = out_root / "openvla_oft_token_tiny"
+    config = modeling.OpenVLAConfig.from_pretrained(out)
+    config.use_proprio, config.proprio_dim = False, 7  # what its fsdp_workers.py sets for LIBERO
+    model = modeling.OpenVLAForActionPrediction.from_pretrained(out, config=config, torch_dtype=torch.float32,
+                                                                attn_implementation="sdpa").eval()
+    model.norm_stats = json.loads((out / "dataset_statistics.json").read_text())
+    model.vision_backbone.set_num_images_in_input(1)
+    processor = processing.PrismaticProcessor(image_processor=processing.PrismaticImageProcessor.from_pretrained(out),
+                                              tokenizer=AutoTokenizer.from_pretrained(out))
+    cases = dict(np.load(out_root / "openvla_oft_token_tiny_outputs.npz"))
+    names = ["libero_eval", "maniskill", "gradient"]
+    ids, masks, pixels = [], [], []
+    for name in names:  # rob_rollout.py's per-observation steps (frames already prepared as upstream's eval does)
+        from PIL import Image
+
+        prompt = f"In: What action should the robot take to {str(cases[name + '/instruction']).lower()}?\nOut:"
+        batch = processor(prompt, Image.fromarray(cases[name + "/images"][0]))
+        row = torch.cat([batch["input_ids"], torch.tensor([[29871]])], dim=1)
+        ids.append(row.T)
+        masks.append(torch.cat([batch["attention_mask"], torch.ones(1, 1, dtype=torch.long)], dim=1).T)
+        pixels.append(batch["pixel_values"])
+    pad = processor.tokenizer.pad_token_id
+    input_ids = pad_sequence(ids, batch_first=True, padding_value=pad).squeeze(-1)
+    attention_mask = pad_sequence(masks, batch_first=True, padding_value=0).squeeze(-1)
+    order = torch.argsort((~input_ids.ne(pad)).int(), dim=1, descending=True, stable=True)
+    input_ids, attention_mask = torch.gather(input_ids, 1, order), torch.gather(attention_mask, 1, order)
+    captured = []  # the language model's logits, for the same slice generate_action_verl argmaxes
+    model.language_model.register_forward_hook(lambda module, args, output: captured.append(output.logits))
+    with torch.no_grad():
+        actions, response = model.generate_action_verl(
+            input_ids=input_ids, pixel_values=torch.cat(pixels), attention_mask=attention_mask, padding_idx=pad,
+            do_sample=False, unnorm_key=UNNORM_KEY, temperature=1.0)
+    start = input_ids.ne(pad).sum(1) - 1 + model.vision_backbone.get_num_patches()  # its seq_indices
+    rows = torch.arange(len(names))[:, None]
+    logits = captured[0][rows, start[:, None] + torch.arange(response.shape[1])[None], LOGIT_IDS]
+    np.savez_compressed(out_root / "openvla_oft_token_tiny_simplevla_outputs.npz", cases=np.array(names),
+                        input_ids=input_ids.numpy(), attention_mask=attention_mask.numpy(), logits=logits.numpy(),
+                        response_ids=np.asarray(response), actions=np.asarray(actions, dtype=np.float64))
+    print(f"simplevla: batch of {len(names)} -> {out_root / 'openvla_oft_token_tiny_simplevla_outputs.npz'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("family", choices=["openvla", "oft"])
+    parser.add_argument("family", choices=["openvla", "oft", "simplevla"])
     parser.add_argument("--src", type=Path, required=True, help="the upstream repository's snapshot")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    {"openvla": build_openvla, "oft": build_oft}[args.family](args.src, args.out)
+    {"openvla": build_openvla, "oft": build_oft, "simplevla": build_simplevla}[args.family](args.src, args.out)
 
 
 if __name__ == "__main__":

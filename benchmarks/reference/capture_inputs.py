@@ -35,9 +35,7 @@ def libero_frames() -> dict[str, np.ndarray]:
 
 def maniskill_frame() -> dict[str, np.ndarray]:
     from envs.maniskill import ManiSkillCPUEnv, ManiSkillSpec, instruction_for
-    from envs.rendering import ensure_vulkan_icd
 
-    ensure_vulkan_icd()
     spec = ManiSkillSpec("PushCube-v1", "rgb", "pd_joint_delta_pos", "normalized_dense", 50, 128, 128, "cpu")
     env = ManiSkillCPUEnv(spec)
     obs = env.reset(seed=7)

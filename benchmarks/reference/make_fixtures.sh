@@ -6,11 +6,12 @@
 # you fetched yourself, and writes only the checkpoints and what upstream computed on them.
 #
 # Usage:
-#   benchmarks/reference/make_fixtures.sh OPENVLA_SRC OFT_SRC TRANSFORMERS_OFT_SRC [REFENV]
+#   benchmarks/reference/make_fixtures.sh OPENVLA_SRC OFT_SRC TRANSFORMERS_OFT_SRC SIMPLEVLA_SRC [REFENV]
 #     OPENVLA_SRC           a work tree of openvla/openvla at c8f03f4 (prismatic/extern/hf, experiments/robot)
 #     OFT_SRC               a work tree of moojink/openvla-oft at 213c5ff
 #     TRANSFORMERS_OFT_SRC  a work tree of moojink/transformers-openvla-oft at bc339d9 (v4.40.1 + bidirectional
 #                           Llama SDPA attention); its src/ goes on PYTHONPATH for the OFT fixtures only
+#     SIMPLEVLA_SRC         a work tree of PRIME-RL/SimpleVLA-RL at 7c51662 (verl/utils/vla_utils/openvla_oft)
 #     REFENV                the throwaway venv (default /tmp/embodied-refenv; reused when it exists)
 #   e.g. git clone https://github.com/openvla/openvla && git -C openvla checkout c8f03f4 (likewise the others)
 #
@@ -19,8 +20,8 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-openvla="$(cd "$1" && pwd)"; oft="$(cd "$2" && pwd)"; fork="$(cd "$3" && pwd)"
-refenv="${4:-/tmp/embodied-refenv}"
+openvla="$(cd "$1" && pwd)"; oft="$(cd "$2" && pwd)"; fork="$(cd "$3" && pwd)"; simplevla="$(cd "$4" && pwd)"
+refenv="${5:-/tmp/embodied-refenv}"
 
 if [ ! -x "$refenv/bin/python" ]; then
   python3 -m venv "$refenv"
@@ -34,4 +35,5 @@ test -f "$repo/assets/reference/inputs.npz" || { echo "run capture_inputs.py in 
 cd "$repo"
 "$refenv/bin/python" "$here/build_fixtures.py" openvla --src "$openvla" --out assets/reference
 PYTHONPATH="$fork/src" "$refenv/bin/python" "$here/build_fixtures.py" oft --src "$oft" --out assets/reference
+PYTHONPATH="$fork/src" "$refenv/bin/python" "$here/build_fixtures.py" simplevla --src "$simplevla" --out assets/reference
 du -sh assets/reference

@@ -199,7 +199,7 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             tail.append(self.model.get_input_embeddings()(stop))
         embeds = torch.cat([embeds, *tail], dim=1)
         mask = torch.cat([mask, mask.new_ones(batch, embeds.shape[1] - mask.shape[1])], dim=1)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: every row counts from its BOS
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # padding skipped: positions as if unpadded
         out = self.model.language_model(inputs_embeds=embeds, attention_mask=bidirectional_mask(mask, embeds.dtype),
                                         position_ids=positions, output_hidden_states=True)
         end = embeds.shape[1] - int(self.stop_token) - 1  # one past placeholder T - 2

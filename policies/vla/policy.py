@@ -396,7 +396,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
                                     cfg.unnorm_key, action_dim)
 
     def _prompt_ids(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt ids and mask ``[B, L]`` (left-padded). OpenVLA was trained on "Out: " then the
+        """Prompt ids and mask ``[B, L]`` (BOS, padding, prompt). OpenVLA was trained on "Out: " then the
         lone "\u2581" piece (29871) before the action tokens; like its ``predict_action``, append
         that piece where the tokenizer has it and the prompt does not end with it."""
         ids, mask = tokenize_prompts(self.tokenizer, self._prompts(obs))
@@ -418,7 +418,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
             ids = torch.cat([ids, action_ids], dim=1)
             mask = torch.cat([mask, torch.ones_like(action_ids)], dim=1)
         embeds, mask = self.model.multimodal_embeddings(ids, self._pixel_values(obs, device), mask)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: every row counts from its BOS
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # padding skipped: positions as if unpadded
         out = self.model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
                                         use_cache=use_cache, output_hidden_states=True)
         return out.logits, out.hidden_states[-1], DecodeState(out.cache, mask, positions[:, -1:])

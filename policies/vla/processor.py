@@ -8,8 +8,8 @@ conversion ran under a bf16 default dtype) and SigLIP's 0.5 / 0.5. The results a
 channels, as upstream's processor stacks them.
 
 Shapes: ``rgb`` uint8 ``[B, H, W, 3]`` -> ``pixel_values`` float ``[B, 3 * backbones, S, S]``;
-instructions -> left-padded ``input_ids [B, L]`` and ``attention_mask [B, L]`` starting
-with BOS, so the last prompt token of every row sits in the last column.
+instructions -> ``input_ids [B, L]`` and ``attention_mask [B, L]``: BOS, left padding, the prompt,
+so every row's BOS is column 0 and its last prompt token the last column.
 """
 
 from __future__ import annotations
@@ -142,17 +142,20 @@ def _transform_from_saved(resize: dict, crop: dict, normalize: dict) -> Backbone
 
 
 def tokenize_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(input_ids, attention_mask)`` ``[B, L]``, each row ``[BOS] + prompt`` (no BOS where
-    the tokenizer has none)."""
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]  # Qwen's tokenizer has none
-    rows = [bos + tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    """``(input_ids, attention_mask)`` ``[B, L]``: each row ``[BOS] + padding + prompt``, so every
+    row's BOS is column 0 (OpenVLA puts the image patches right after it, as RLinf's batches do)
+    and its last prompt token the last column. No BOS column where the tokenizer has none (Qwen)."""
+    rows = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     length = max(len(r) for r in rows)
     ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, length - len(row):] = torch.tensor(row)
         mask[i, length - len(row):] = 1
-    return ids, mask
+    if tokenizer.bos_token_id is None:
+        return ids, mask
+    return (torch.cat([torch.full_like(ids[:, :1], tokenizer.bos_token_id), ids], dim=1),
+            torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1))
 
 
 def byte_tokenizer(reserved: int = 256) -> PreTrainedTokenizerFast:
