@@ -191,6 +191,7 @@ def test_token_oft_checkpoint_trains_with_lora_from_the_log_probs_it_sampled_wit
     assert policy.to_env(bins).shape == (2, 8, 7)
 
 
+@pytest.mark.slow  # 25 s of LIBERO start-up; the parity above covers what it acts with
 def test_record_films_an_l1_oft_checkpoint_on_libero(tmp_path):
     """`embodied record` with a public-format checkpoint (no run): both cameras, proprio, the L1 head's chunks."""
     import imageio
@@ -249,3 +250,20 @@ def test_openvla_batch_of_prompts_of_different_lengths_acts_as_each_alone(openvl
             torch.testing.assert_close(logits[i, -7:], row_logits[0, -7:], rtol=0, atol=1e-5)
     finally:
         policy.adapter = saved
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["policy.unnorm_key=libero_goal"], ["libero_goal", "libero_spatial_no_noops"]),
+    (["policy.unnorm_key=bridge_orig", "env=maniskill_pushcube_rgb"], ["7-dim actions", "8-dim", "env.control_mode"]),
+], ids=["unnorm_key not in the statistics", "checkpoint of another action size"])
+def test_checkpoint_statistics_are_checked_before_any_worker_starts(overrides, words):
+    """What Workers checks first (the CLI turns it into one paragraph and exit 2: test_cli_errors.py)."""
+    from embodied.errors import UserError
+    from envs.registry import env_action_dim
+    from policies.registry import check_policy_config
+
+    cfg = compose(["env=libero_spatial", "policy=openvla_7b_libero", f"policy.model_path={ASSETS / 'openvla_tiny'}",
+                   *overrides])
+    with pytest.raises(UserError) as err:
+        check_policy_config(cfg.policy, env_action_dim(cfg.env))
+    assert all(word in str(err.value) for word in words), str(err.value)
