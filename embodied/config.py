@@ -258,13 +258,13 @@ def _override_error(err: Exception, overrides: list[str]) -> UserError:
     return UserError(f"Could not compose the config from {overrides}: {text.splitlines()[0]}")
 
 
-def _schema_override(override: str) -> str:
+def _schema_override(override: str, schema: DictConfig) -> str:
     """``policy.gripper=libero`` -> ``++policy.gripper=libero`` when the schema has the key: a group's
     yaml file need not spell every key of its dataclass for the key to be set from the command line."""
     key, sep, _ = override.partition("=")
     if not sep or "." not in key or key[0] in "+~":
         return override
-    node = OmegaConf.structured(TrainConfig)
+    node = schema
     for part in key.split("."):
         if not isinstance(node, DictConfig) or part not in node:
             return override  # unknown: Hydra's error becomes unknown_key_error's paragraph
@@ -278,7 +278,8 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> T
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = [_schema_override(o) for o in overrides or []]
+    schema = OmegaConf.structured(TrainConfig)
+    overrides = [_schema_override(o, schema) for o in overrides or []]
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         try:

@@ -23,17 +23,15 @@ Sequence: ``[BOS] + patches (per camera) (+ proprio) + prompt[1:] + T placeholde
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from policies.registry import POLICIES
-from policies.vla.policy import STATS_FILE, OpenVLAPolicy
+from policies.vla.policy import OpenVLAPolicy, dataset_statistics
 
 STOP_TOKEN_ID = 2  # Llama's </s>: OFT's STOP_INDEX
-PROPRIO_FILE = "proprio_projector--0_checkpoint.pt"  # OFT's name pattern, so upstream finds ours too
 LEGACY_PROPRIO_FILE = "proprio_projector.pt"  # what this project saved before
 
 
@@ -108,14 +106,11 @@ def load_component(module: nn.Module, path: Path) -> None:
                         "of another size. Copy the component files of the same checkpoint as config.json.") from err
 
 
-def proprio_stats(model_dir: str | None, unnorm_key: str | None) -> torch.Tensor | None:
-    """``[2, D]`` q01 / q99 of the checkpoint's proprio statistics, or None (state fed as it is)."""
-    path = Path(model_dir or "") / STATS_FILE
-    if not model_dir or not path.exists():
-        return None
-    stats = json.loads(path.read_text())
-    key = unnorm_key if unnorm_key is not None else (next(iter(stats)) if len(stats) == 1 else None)
-    proprio = stats.get(key, {}).get("proprio")
+def proprio_stats(model_dir: str | None, norm_stats: dict | None, unnorm_key: str | None) -> torch.Tensor | None:
+    """``[2, D]`` q01 / q99 of the checkpoint's proprio statistics (:func:`dataset_statistics`, as
+    OFT's ``vla.norm_stats``), or None: the state is fed as it is."""
+    found = dataset_statistics(model_dir, norm_stats, unnorm_key) if model_dir else None
+    proprio = found[1].get("proprio") if found else None
     return None if proprio is None else torch.tensor([proprio["q01"], proprio["q99"]], dtype=torch.float64)
 
 
@@ -151,7 +146,7 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
             saved = self._proprio_file(cfg.model_path)
             if saved is not None:
                 load_component(self.proprio_projector, saved)
-            self.proprio_q = proprio_stats(cfg.model_path, cfg.unnorm_key)
+            self.proprio_q = proprio_stats(cfg.model_path, self.model.config.norm_stats, cfg.unnorm_key)
 
     @staticmethod
     def untrainable_reason(cfg) -> str | None:
@@ -245,5 +240,5 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         super().save_pretrained(path)
         for name, module in (("proprio_projector", self.proprio_projector), ("action_head", self.action_head)):
             if module is not None:
-                torch.save({f"module.{k}": v for k, v in module.state_dict().items()},
+                torch.save({f"module.{k}": v for k, v in module.state_dict().items()},  # OFT's name pattern
                            Path(path) / f"{name}--0_checkpoint.pt")

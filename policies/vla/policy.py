@@ -21,7 +21,6 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -326,27 +325,37 @@ def check_model_files(model_dir: str, needs_processor: bool) -> None:
                         "fetches every file); nothing is downloaded at run time.")
 
 
-def checkpoint_action_stats(model_dir: str, config, unnorm_key: str | None, action_dim: int | None) -> ActionStats:
-    """The q01 / q99 action statistics a real OpenVLA checkpoint was trained with: ``norm_stats``
-    in its config.json (a ``dataset_statistics.json`` beside it wins, as in OpenVLA), for the
-    dataset ``policy.unnorm_key`` (optional when there is one). None there: actions in [-1, 1]."""
+def dataset_statistics(model_dir: str, norm_stats: dict | None, unnorm_key: str | None) -> tuple[str, dict] | None:
+    """``(key, statistics)`` of the dataset ``policy.unnorm_key`` names (optional when there is one) in
+    a checkpoint's ``dataset_statistics.json``, else in its config.json ``norm_stats`` (the file wins,
+    as in OpenVLA); None when it has neither. A key it lacks is a UserError."""
     from embodied.errors import UserError
 
     path = Path(model_dir) / STATS_FILE
-    stats = json.loads(path.read_text()) if path.exists() else getattr(config, "norm_stats", None)
+    stats = json.loads(path.read_text()) if path.exists() else norm_stats
     if not stats:
-        return ActionStats.identity(action_dim)
+        return None
     if unnorm_key is None and len(stats) == 1:
         unnorm_key = next(iter(stats))
     if unnorm_key not in stats:
         raise UserError(f"policy.unnorm_key={unnorm_key}: {model_dir} has action statistics for {sorted(stats)}. "
                         f"Set policy.unnorm_key to the dataset whose actions the env takes (e.g. "
                         f"policy.unnorm_key={sorted(stats)[-1]}).")
-    action = stats[unnorm_key]["action"]
-    if action_dim is None:  # the env's action size is not known yet: checked again when the policy is built
-        action_dim = len(action["q01"])
+    return unnorm_key, stats[unnorm_key]
+
+
+def checkpoint_action_stats(model_dir: str, norm_stats: dict | None, unnorm_key: str | None,
+                            action_dim: int) -> ActionStats:
+    """The q01 / q99 action statistics a real OpenVLA checkpoint was trained with
+    (:func:`dataset_statistics`); none there: actions in [-1, 1]. Another action size is a UserError."""
+    from embodied.errors import UserError
+
+    found = dataset_statistics(model_dir, norm_stats, unnorm_key)
+    if found is None:
+        return ActionStats.identity(action_dim)
+    key, action = found[0], found[1]["action"]
     if len(action["q01"]) != action_dim:
-        raise UserError(f"policy.unnorm_key={unnorm_key} of {model_dir} has {len(action['q01'])}-dim actions; the "
+        raise UserError(f"policy.unnorm_key={key} of {model_dir} has {len(action['q01'])}-dim actions; the "
                         f"env's are {action_dim}-dim. This checkpoint was trained for another robot or controller: "
                         "pick the statistics of a dataset with this env's action space (policy.unnorm_key), an env "
                         "whose actions match (e.g. env.control_mode), or a checkpoint trained for this env.")
@@ -377,7 +386,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
         backbones = len(self.model.config.vision_specs())
         self.images = (ImageProcessing.from_pretrained(cfg.model_path, self.image_size, backbones) if cfg.model_path
                        else ImageProcessing.default(self.image_size, backbones))
-        stats = (checkpoint_action_stats(cfg.model_path, self.model.config, cfg.unnorm_key, action_dim)
+        stats = (checkpoint_action_stats(cfg.model_path, self.model.config.norm_stats, cfg.unnorm_key, action_dim)
                  if cfg.model_path else ActionStats.identity(action_dim))
         actions = ActionTokenizer(stats, n_bins=self.model.config.n_action_bins,
                                   vocab_size=self.model.config.action_vocab_size)
@@ -391,9 +400,11 @@ class OpenVLAPolicy(TokenVLAPolicy):
         weights_dtype(cfg.dtype)
         if cfg.model_path:
             check_model_files(cfg.model_path, needs_processor=True)
-            config = json.loads((Path(cfg.model_path) / "config.json").read_text())
-            checkpoint_action_stats(cfg.model_path, SimpleNamespace(norm_stats=config.get("norm_stats")),
-                                    cfg.unnorm_key, action_dim)
+            norm_stats = json.loads((Path(cfg.model_path) / "config.json").read_text()).get("norm_stats")
+            if action_dim is None:  # the env's action size is not known yet: checked when the policy is built
+                dataset_statistics(cfg.model_path, norm_stats, cfg.unnorm_key)
+            else:
+                checkpoint_action_stats(cfg.model_path, norm_stats, cfg.unnorm_key, action_dim)
 
     def _prompt_ids(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt ids and mask ``[B, L]`` (BOS, padding, prompt). OpenVLA was trained on "Out: " then the

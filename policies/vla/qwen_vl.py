@@ -99,7 +99,8 @@ class QwenVLPolicy(TokenVLAPolicy):
         if self.model.get_input_embeddings().weight.shape[0] < len(self.tokenizer):
             self.model.resize_token_embeddings(len(self.tokenizer))
         first = self.tokenizer.convert_tokens_to_ids(action_token(0))
-        stats = (checkpoint_action_stats(cfg.model_path, self.model.config, cfg.unnorm_key, action_dim)
+        stats = (checkpoint_action_stats(cfg.model_path, getattr(self.model.config, "norm_stats", None),
+                                         cfg.unnorm_key, action_dim)
                  if cfg.model_path else ActionStats.identity(action_dim))
         actions = ActionTokenizer(stats, mode="added", first_id=first)
         self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size,
