@@ -130,8 +130,11 @@ def _check_auto_placement(report: dict, run_dir: Path) -> None:
     assert profile.env_step(4) > 0 and profile.infer(4) > 0 and profile.train(40) > 0
     assert profile.hop_s > 0 and profile.weight_sync_s > 0 and profile.weights_mib > 0
     assert profile.message_mib_per_env > 0 and profile.episode_steps == 50
-    # loose: benchmarks/plan_accuracy.py holds the model to 15%
-    assert 0.5 < report["measured_over_predicted"] < 2.0
+    # Only units and bookkeeping here (a wrong unit is off by 1000x): the model's accuracy is
+    # benchmarks/plan_accuracy.py's to measure; a loaded 2-core CI machine ran 4x the prediction.
+    ratio = report["measured_iteration_s"] / report["predicted_iteration_s"]
+    assert report["measured_over_predicted"] == pytest.approx(ratio)
+    assert 0.1 < ratio < 20
     # the same config on the same machine reads the cache instead of measuring again
     cfg = load_yaml(run_dir / "config.yaml")  # the run's env, policy and algorithm: what the key hashes
     _, path, measured_now = cached_profile(cfg, profile_sizes(4), 2, Path(report["profile"]).parent, log=print)
