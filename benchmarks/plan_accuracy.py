@@ -48,7 +48,7 @@ def measure_plan(cfg, iterations: int) -> float:
 
     workers = Workers(cfg)
     try:
-        workers.env.call("reset", seed=cfg.runner.seed)
+        workers.reset_envs(iteration=0, sim_steps=0)
         times = []
         for _ in range(iterations + 1):
             started = time.perf_counter()

@@ -161,7 +161,11 @@ class EvalConfig:
     seed: int = 1_000_000  # ManiSkill: episode k is reset with seed + k
     trials_per_task: int = 50  # LIBERO: episodes per task, from its first N stored init states (50 = all)
     tasks: list[int] | None = None  # LIBERO: only these task indices (None: the whole suite, the published protocol)
-    deterministic: bool = True  # mean action instead of a sample
+    deterministic: bool = True  # mean action instead of a sample (else a sample from noise seeded by the episode)
+    # rebuild each env's scene at every evaluation reset (ManiSkill's protocol), so an episode depends
+    # only on its seed and the weights; false saves ~0.3 s per env and evaluation on CPU, but the
+    # simulator's leftovers from training then change some episodes (docs/libero_protocol.md, "Seeds")
+    reconfigure: bool = True
     video_episodes: int = 2  # videos recorded by `train` at its end and by `record`
     videos_per_task: int = 1  # `eval`: videos of each task's first episodes, recorded during the eval
 
@@ -182,8 +186,8 @@ class SFTConfig:
 class RunnerConfig:
     total_env_steps: int = 1_000_000
     max_minutes: float | None = None  # stop training after this wall-clock budget
-    # iterations between validation evaluations on env.num_envs episodes whose seeds
-    # (eval.seed + 10_000_000 + k) differ from the final evaluation's (0: only at the end)
+    # iterations between validation evaluations on episodes of their own seed stream, never the
+    # final evaluation's or training's (envs/seeds.py; 0: only the final evaluation)
     eval_every: int = 0
     validation_episodes: int | None = None  # episodes of each periodic evaluation (None: env.num_envs)
     # the weights train evaluates and records at its end: "last" (the final ones) or "best" (those
@@ -193,7 +197,7 @@ class RunnerConfig:
     stop_at_success: float | None = None  # stop once periodic evaluations reach this success_once ...
     stop_patience: int = 2  # ... this many times in a row (PPO oscillates: one lucky eval is not enough)
     checkpoint_every: int = 10  # iterations between checkpoints
-    seed: int = 1
+    seed: int = 1  # every random stream of the run derives from it and its purpose (envs/seeds.py)
     run_dir: str | None = None  # None: runs/<task>-<policy>-<timestamp>
     progress: bool = True  # progress bar on stderr
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from envs.registry import seed_scheme
+from envs.seeds import episode_noise_seed
 from envs.video import VideoRecorder
 
 Z95 = 1.959964  # two-sided 95% normal quantile
@@ -188,10 +189,11 @@ def record_videos(policy, env_cfg, seeds: list[int], out_dir: Path, deterministi
         policy = make_policy(policy_cfg, env.obs_spec, env.action_dim).eval()
     env.set_ignore_terminations(True)
     paths = []
-    generator = torch.Generator().manual_seed(seeds[0] if seeds else 0)
     try:
         for k, episode_seed in enumerate(seeds):
-            obs, _ = env.reset(seed=episode_seed)
+            # the evaluation's episode exactly: a rebuilt scene, the episode's own noise
+            obs, _ = env.reset(seed=episode_seed, reconfigure=True)
+            generator = torch.Generator().manual_seed(episode_noise_seed(episode_seed))
             video = VideoRecorder(out_dir / f"episode_{k}_seed_{episode_seed}.mp4")
             reward, success = None, False
             # frame t shows the scene after t steps; the env auto-resets after its last
@@ -202,7 +204,8 @@ def record_videos(policy, env_cfg, seeds: list[int], out_dir: Path, deterministi
                 if policy is None:
                     planned = [torch.rand(1, env.action_dim, generator=generator) * 2 - 1]
                 elif not planned:
-                    actions = policy.to_env(policy.act(obs, deterministic=deterministic)[0])
+                    noise = torch.randn(1, policy.noise_dim, generator=generator)  # as serve_eval draws it
+                    actions = policy.to_env(policy.act(obs, deterministic=deterministic, noise=noise)[0])
                     planned = list((actions if actions.dim() == 3 else actions[:, None]).unbind(1))
                 result = env.step(planned.pop(0))
                 reward, success = float(result.reward[0]), bool(result.info["success"][0])

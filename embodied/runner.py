@@ -22,7 +22,14 @@ from embodied.evaluate import summarize
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
 from embodied.workers.rollout_worker import BOOTSTRAP_MASKS, RolloutWorker
-from envs.registry import check_env_config, env_action_dim, seed_scheme
+from envs.registry import (
+    check_env_config,
+    env_action_dim,
+    seed_scheme,
+    training_reset_seeds,
+    validation_seeds,
+)
+from envs.seeds import AutoResets, RunSeeds
 from envs.subproc import EnvCrashedError
 from policies.registry import check_policy_config
 from scheduler.auto import AutoPlan, auto_placement
@@ -31,8 +38,6 @@ from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.context_switch import ContextSwitcher
 from scheduler.placement import check_placement, make_plan
 from scheduler.worker import WorkerGroup, wait_ready
-
-VALIDATION_SEED_OFFSET = 10_000_000  # periodic evals start episode slots from eval.seed + this
 
 
 @dataclass
@@ -188,6 +193,18 @@ class Workers:
         self._weights_stale = True
         return stats, {"update_s": time.perf_counter() - t0, **{f"train_{k}": v for k, v in switch.items()}}
 
+    def reset_envs(self, iteration: int, sim_steps: int, group_size: int = 1) -> None:
+        """Reset every env for training at ``iteration``, ``sim_steps`` simulator steps per env
+        into the run. Env ``j`` of the whole batch starts episode slot ``j // group_size`` (the
+        envs of a GRPO group share an initial state) of the training-reset stream; the episodes
+        that envs start by themselves draw from the auto-reset stream (envs/seeds.py)."""
+        run = RunSeeds(self.cfg.runner.seed)
+        num_envs, per_rank = self.envs_per_worker * len(self.env), self.envs_per_worker
+        seeds = training_reset_seeds(self.cfg.env, run, iteration, num_envs, group_size)
+        auto = AutoResets(run.auto_resets, 0, num_envs, sim_steps)
+        self.env.call("reset", per_rank_args=[(seeds[r * per_rank:(r + 1) * per_rank], auto.shifted(r * per_rank))
+                                              for r in range(len(self.env))])
+
     def evaluate(self, seeds: list[int], deterministic: bool, record: set[int] | frozenset = frozenset(),
                  progress: bool = False) -> tuple[list[dict], dict]:
         """Run one fixed-horizon episode per seed, each exactly once.
@@ -216,10 +233,12 @@ class Workers:
             ids = [i if i < len(seeds) else -1 for i in ids]
             batch = [seeds[i] if i >= 0 else seeds[-1] for i in ids]
             args = [(batch[r * per_rank:(r + 1) * per_rank], ids[r * per_rank:(r + 1) * per_rank],
-                     [i in record for i in ids[r * per_rank:(r + 1) * per_rank]], self.channel)
+                     [i in record for i in ids[r * per_rank:(r + 1) * per_rank]], self.channel,
+                     self.cfg.eval.reconfigure)
                     for r in range(len(self.env))]
             env_refs = self.env.call_async("evaluate", per_rank_args=args)
-            serve = self.rollout.call_async("serve_eval", self.max_episode_steps, self.channel, deterministic)
+            by_rank = {r: batch[r * per_rank:(r + 1) * per_rank] for r in range(len(self.env))}
+            serve = self.rollout.call_async("serve_eval", self.max_episode_steps, self.channel, deterministic, by_rank)
             for part in ray.get(env_refs):
                 rows += part["rows"]
                 videos.update(part["videos"])
@@ -396,9 +415,8 @@ class Trainer:
 
     def _reset_envs(self) -> None:
         """New training episodes, seeded by the iteration: a resumed run does not replay its first ones."""
-        seed = self.cfg.runner.seed + 1_000 * self.progress.iteration
         group = self.cfg.algorithm.group_size if self.episodic else 1
-        self.workers.env.call("reset", seed=seed, group_size=group)
+        self.workers.reset_envs(self.progress.iteration, self.progress.env_steps // self.cfg.env.num_envs, group)
 
     def _iterate(self) -> None:
         p = self.progress
@@ -437,9 +455,8 @@ class Trainer:
         cfg, p = self.cfg, self.progress
         # validation seeds, disjoint from the final evaluation's: stopping early on the
         # episodes that are then reported would flatter the result
-        scheme = seed_scheme(cfg.env)
         episodes = cfg.runner.validation_episodes or cfg.env.num_envs
-        seeds = [scheme.train_seed(cfg.env, cfg.eval.seed + VALIDATION_SEED_OFFSET, k) for k in range(episodes)]
+        seeds = validation_seeds(cfg.env, RunSeeds(cfg.runner.seed), episodes)
         rows, _ = self.workers.evaluate(seeds, cfg.eval.deterministic)
         success = _mean(rows, "success_once")
         self.log.scalars({"eval/success_once": success, "eval/success_at_end": _mean(rows, "success_at_end"),

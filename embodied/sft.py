@@ -20,6 +20,7 @@ from embodied.errors import UserError
 from embodied.runner import Progress
 from envs.demos import Demos, generate_demos
 from envs.registry import env_action_dim
+from envs.seeds import Purpose, RunSeeds
 from policies.registry import POLICIES, check_policy_config, make_policy
 from policies.vla.action_tokenizer import ActionStats
 
@@ -73,13 +74,14 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
                         "tokens. Use policy=openvla_tiny or policy=qwen_vl_tiny (or a real VLA config).")
     demos = demos_for(cfg, cfg.runner.progress)
     obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in demos.obs.items()}
-    torch.manual_seed(cfg.runner.seed)
+    seeds = RunSeeds(cfg.runner.seed)
+    torch.manual_seed(seeds.generator(Purpose.INIT))
     policy = make_policy(cfg.policy, obs_spec, demos.actions.shape[-1])
     # OpenVLA's fine-tuning recipe: the new dataset's q01 / q99 map to the ends of the 256 bins, so
     # the bins resolve the range the demos use (joint deltas of a slow planner span a few % of [-1, 1])
     policy.set_action_stats(ActionStats.from_actions(demos.actions))
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.sft.lr)
-    generator = torch.Generator().manual_seed(cfg.runner.seed)
+    generator = torch.Generator().manual_seed(seeds.generator(Purpose.SFT_SHUFFLE))
     steps_per_epoch = math.ceil(len(demos) / cfg.sft.batch_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))

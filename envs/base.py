@@ -24,6 +24,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from envs.seeds import AutoResets
+
 Obs = dict[str, torch.Tensor]
 INSTRUCTION_BYTES = 128  # room for a task's language instruction (LIBERO's longest has 87)
 
@@ -73,7 +75,12 @@ class VecEnv(Protocol):
     obs_spec: dict[str, tuple[tuple[int, ...], torch.dtype]]
     device: torch.device
 
-    def reset(self, seed: int | list[int] | None = None) -> tuple[Obs, dict]: ...
+    def reset(self, seed: int | list[int] | None = None, reconfigure: bool = False,
+              auto_resets: AutoResets | None = None) -> tuple[Obs, dict]:
+        """``reconfigure``: rebuild the scenes first, so that nothing earlier episodes left in the
+        simulator shapes these (evaluation resets); ``auto_resets``: where the episodes the envs
+        then start by themselves get their seeds (envs/seeds.py; None: from the reset seeds)."""
+        ...
 
     def step(self, actions: torch.Tensor, observe: bool = True) -> StepResult:
         """``observe=False``: nobody reads this step's ``obs`` (an action chunk's inner steps),

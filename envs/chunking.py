@@ -41,8 +41,8 @@ class ChunkedVecEnv:
         self.max_episode_steps = math.ceil(env.max_episode_steps / chunk_size)
         self.observe_every_step = False
 
-    def reset(self, seed: int | list[int] | None = None) -> tuple[Obs, dict]:
-        return self.env.reset(seed=seed)
+    def reset(self, seed: int | list[int] | None = None, **options) -> tuple[Obs, dict]:
+        return self.env.reset(seed=seed, **options)
 
     def step(self, actions: torch.Tensor) -> StepResult:
         """``actions [B, chunk_size, A]`` -> the chunk's :class:`StepResult`."""

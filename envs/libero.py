@@ -155,8 +155,10 @@ class LiberoEnv:
         obs["instruction"] = self.instruction
         return obs
 
-    def reset(self, seed: int | None) -> dict[str, np.ndarray]:
-        """Start the episode ``seed`` names: its task's stored init state, then the settle steps."""
+    def reset(self, seed: int | None, reconfigure: bool = False) -> dict[str, np.ndarray]:
+        """Start the episode ``seed`` names: its task's stored init state, then the settle steps.
+        ``reconfigure`` changes nothing: robosuite's reset already restarts MuJoCo's data
+        (``sim.reset()``: state, warm start and contacts), so no earlier episode shapes this one."""
         task_index, init_index = decode_seed(seed if seed is not None else 0)
         if task_index >= len(self.tasks):
             raise ValueError(f"seed {seed} names task {task_index}, but {self.spec.suite} has {len(self.tasks)}")
@@ -175,10 +177,11 @@ class LiberoEnv:
         self.steps = 0  # the settle steps do not count against the episode's limit
         return self._obs(raw)
 
-    def auto_reset_seed(self, last_seed: int, entropy: int) -> int:
-        """The next training episode of this env: same task (no rebuild), another init state."""
+    def auto_reset_seed(self, last_seed: int, drawn: int) -> int:
+        """The next training episode of this env: same task (no rebuild), the init state ``drawn``
+        (an auto-reset stream's seed) picks."""
         task_index, _ = decode_seed(last_seed)
-        return episode_seed(task_index, entropy % len(self.tasks[task_index].init_states))
+        return episode_seed(task_index, drawn % len(self.tasks[task_index].init_states))
 
     def step(self, action: np.ndarray, observe: bool = True):
         """-> (obs, reward, terminated = success, truncated = time limit reached, success).
@@ -218,12 +221,12 @@ def _make_libero_env(spec: LiberoSpec, env_index: int) -> LiberoEnv:
 class LiberoSeeds(SeedScheme):
     """Seeds name (task, init state) pairs: see :func:`episode_seed`."""
 
-    def train_seed(self, env_cfg, base: int, index: int) -> int:
-        """Slot ``index`` works on task ``index % num_tasks`` from a seeded-random init state."""
+    def train_seed(self, env_cfg, drawn: int, slot: int) -> int:
+        """Slot ``slot`` works on task ``slot % num_tasks`` from the init state ``drawn`` picks.
+        LIBERO's stored init states are all there are, so training draws from the evaluation's."""
         counts = init_state_counts(env_cfg.task)
-        task_index = index % len(counts)
-        entropy = int(np.random.SeedSequence([base, index]).generate_state(1)[0])
-        return episode_seed(task_index, entropy % counts[task_index])
+        task_index = slot % len(counts)
+        return episode_seed(task_index, drawn % counts[task_index])
 
     def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
         """Task by task (``eval.tasks``, or all), its first ``eval.trials_per_task`` stored init states."""

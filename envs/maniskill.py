@@ -121,8 +121,12 @@ class ManiSkillCPUEnv:
     def _numpy(obs) -> dict[str, np.ndarray]:
         return {k: v[0].cpu().numpy() for k, v in as_obs_dict(obs).items()}
 
-    def reset(self, seed: int | None) -> dict[str, np.ndarray]:
-        obs, _ = self.env.reset(seed=seed)
+    def reset(self, seed: int | None, reconfigure: bool = False) -> dict[str, np.ndarray]:
+        """``reconfigure``: rebuild the PhysX scene (~0.3 s on CPU). A seeded reset alone sets every
+        pose and velocity, yet what PhysX keeps of earlier episodes (contact pairs and their
+        order; nothing the API clears) still changes some later episodes: ManiSkill's
+        evaluation protocol reconfigures at every evaluation reset, and so do we."""
+        obs, _ = self.env.reset(seed=seed, options={"reconfigure": True} if reconfigure else None)
         return self._numpy(obs)
 
     def step(self, action: np.ndarray, observe: bool = True):
@@ -192,8 +196,11 @@ class ManiSkillGPUVecEnv:
         self.obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in as_obs_dict(obs).items()}
         self.tracker = EpisodeTracker(num_envs)
 
-    def reset(self, seed: int | list[int] | None = None) -> tuple[Obs, dict]:
-        obs, info = self.env.reset(seed=seed)
+    def reset(self, seed: int | list[int] | None = None, reconfigure: bool = False,
+              auto_resets=None) -> tuple[Obs, dict]:
+        """``auto_resets`` is not used: ManiSkill's GPU vector env resets finished envs with seeds
+        of its own, drawn from the reset seeds (docs/libero_protocol.md, "Seeds")."""
+        obs, info = self.env.reset(seed=seed, options={"reconfigure": True} if reconfigure else None)
         self.tracker.reset()
         return as_obs_dict(obs), {}
 

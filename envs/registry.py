@@ -12,6 +12,7 @@ import importlib
 from collections.abc import Callable
 
 from embodied.registry import Registry
+from envs.seeds import PROTOCOL_LIMIT, RunSeeds
 
 ENV_BACKENDS: dict[str, Callable] = {}
 ENV_VALIDATORS: dict[str, Callable] = {}
@@ -25,18 +26,23 @@ class SeedScheme:
     seeds onto (task, init state) pairs.
     """
 
-    def train_seed(self, env_cfg, base: int, index: int) -> int:
-        """Seed of the ``index``-th training episode slot (an env, or a GRPO group) after a reset."""
-        return base + index
+    def train_seed(self, env_cfg, drawn: int, slot: int) -> int:
+        """This backend's seed for episode slot ``slot`` (an env, or a GRPO group) of a training
+        reset or a validation, from ``drawn``, the slot's seed in its stream (envs/seeds.py)."""
+        return drawn
 
     def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
         """The evaluation protocol's episodes, each run exactly once, in order."""
-        if eval_cfg.tasks is not None:
-            from embodied.errors import UserError
+        from embodied.errors import UserError
 
+        if eval_cfg.tasks is not None:
             raise UserError(f"eval.tasks={list(eval_cfg.tasks)} picks tasks of a suite, but env.task="
                             f"{env_cfg.task!r} is a single task: leave eval.tasks null (eval.episodes "
                             "sets how many episodes it runs).")
+        if not 0 <= eval_cfg.seed <= PROTOCOL_LIMIT - eval_cfg.episodes:
+            raise UserError(f"eval.seed={eval_cfg.seed} with eval.episodes={eval_cfg.episodes} leaves the "
+                            f"seeds [0, 2^31) that evaluations own (above them are training's and "
+                            f"validation's, envs/seeds.py): pick an eval.seed in [0, {PROTOCOL_LIMIT - eval_cfg.episodes}].")
         return [eval_cfg.seed + k for k in range(eval_cfg.episodes)]
 
     def task_of(self, env_cfg, seed: int) -> tuple[int, str]:
@@ -105,3 +111,19 @@ def make_vec_env(env_cfg, num_envs: int | None = None, num_procs: int | None = N
         num_envs=env_cfg.num_envs if num_envs is None else num_envs,
         num_procs=env_cfg.num_procs if num_procs is None else num_procs,
     )
+
+
+def training_reset_seeds(env_cfg, run: RunSeeds, iteration: int, num_envs: int, group_size: int = 1) -> list[int]:
+    """The seed of each of ``num_envs`` envs reset for training at ``iteration``: env ``j`` starts
+    episode slot ``j // group_size`` of the training-reset stream, so the envs of a GRPO group
+    share an initial state and no two iterations share one (envs/seeds.py)."""
+    scheme, slots = seed_scheme(env_cfg), num_envs // group_size
+    return [scheme.train_seed(env_cfg, run.train_reset_seed(iteration, slots, j // group_size), j // group_size)
+            for j in range(num_envs)]
+
+
+def validation_seeds(env_cfg, run: RunSeeds, episodes: int) -> list[int]:
+    """The periodic validations' episodes: the run's validation stream, never an evaluation's or
+    training's seeds (on LIBERO: the stored init states, like everything there)."""
+    scheme, stream = seed_scheme(env_cfg), run.validation
+    return [scheme.train_seed(env_cfg, stream.seed(k), k) for k in range(episodes)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Protocol
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from envs.base import EpisodeTracker, Obs, StepResult
+from envs.seeds import AutoResets
 
 
 class SingleEnv(Protocol):
@@ -35,7 +37,10 @@ class SingleEnv(Protocol):
     action_dim: int
     max_episode_steps: int
 
-    def reset(self, seed: int | None) -> dict[str, np.ndarray]: ...
+    def reset(self, seed: int | None, reconfigure: bool = False) -> dict[str, np.ndarray]:
+        """Start the episode ``seed`` names; ``reconfigure``: rebuild the scene first, so that
+        nothing earlier episodes left in the simulator shapes this one (evaluation resets)."""
+        ...
 
     def step(self, action: np.ndarray, observe: bool = True) -> tuple[dict[str, np.ndarray] | None, float, bool,
                                                                      bool, bool]:
@@ -50,6 +55,19 @@ class SingleEnv(Protocol):
     def render(self) -> np.ndarray: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ResetRequest:
+    """A reset of a slice of envs, as sent to a worker process."""
+
+    seeds: list[int | None]
+    reconfigure: bool = False
+    auto_resets: AutoResets | None = None
+
+    def slice(self, start: int, stop: int, reconfigure: bool | None = None) -> ResetRequest:
+        auto = self.auto_resets.shifted(start) if self.auto_resets else None
+        return ResetRequest(self.seeds[start:stop], self.reconfigure if reconfigure is None else reconfigure, auto)
 
 
 class EnvCrashedError(RuntimeError):
@@ -78,29 +96,31 @@ class EnvBatch:
         # evaluation runs fixed-length episodes: success does not end them
         self.ignore_terminations = False
         self.seeds: list[int | None] = [None] * len(envs)  # each env's last reset() seed
-        self.episodes_since_reset = [0] * len(envs)
+        self.steps_since_reset = [0] * len(envs)  # simulator steps
+        self.auto_resets: AutoResets | None = None
 
     def _write_obs(self, prefix: str, i: int, obs: dict[str, np.ndarray]) -> None:
         for key, value in obs.items():
             self.buf[f"{prefix}/{key}"][i] = value
 
-    def reset(self, seeds: list[int | None]) -> None:
-        for i, (env, seed) in enumerate(zip(self.envs, seeds, strict=True)):
-            self.seeds[i], self.episodes_since_reset[i] = seed, 0
-            self._write_obs("obs", i, env.reset(seed))
+    def reset(self, request: ResetRequest) -> None:
+        self.auto_resets = request.auto_resets
+        for i, (env, seed) in enumerate(zip(self.envs, request.seeds, strict=True)):
+            self.seeds[i], self.steps_since_reset[i] = seed, 0
+            self._write_obs("obs", i, env.reset(seed, reconfigure=request.reconfigure))
 
     def _auto_reset_seed(self, i: int) -> int | None:
-        """Seed of env ``i``'s next episode, derived from its reset seed and episode count:
-        ManiSkill's unseeded resets draw fresh entropy, and seeded runs must repeat exactly.
-        An env with an ``auto_reset_seed(last_seed, entropy)`` method maps the derived
-        number onto its own seeds (LIBERO: same task, another stored init state)."""
+        """Seed of env ``i``'s next episode from the auto-reset stream (envs/seeds.py): the
+        run's, or without one a stream of the env's reset seed (seeded use repeats exactly;
+        ManiSkill's unseeded resets would draw fresh entropy). An env with an
+        ``auto_reset_seed(last_seed, drawn)`` method maps the drawn seed onto its own
+        (LIBERO: same task, another stored init state)."""
         if self.seeds[i] is None:
             return None
-        self.episodes_since_reset[i] += 1
-        state = np.random.SeedSequence([self.seeds[i], self.episodes_since_reset[i]]).generate_state(1)
-        entropy = int(state[0] & 0x7FFFFFFF)
+        auto = self.auto_resets or AutoResets.after(self.seeds[i])
+        drawn = auto.seed(i if self.auto_resets else 0, self.steps_since_reset[i])
         own_scheme = getattr(self.envs[i], "auto_reset_seed", None)
-        return own_scheme(self.seeds[i], entropy) if own_scheme else entropy
+        return own_scheme(self.seeds[i], drawn) if own_scheme else drawn
 
     def step(self, observe: bool = True) -> None:
         """Step every env; ``observe=False``: the ``obs`` buffers are left as they were, except
@@ -108,6 +128,7 @@ class EnvBatch:
         actions = self.buf["action"]
         for i, env in enumerate(self.envs):
             obs, reward, terminated, truncated, success = env.step(actions[i], observe)
+            self.steps_since_reset[i] += 1
             terminated = terminated and not self.ignore_terminations
             self.buf["reward"][i] = reward
             self.buf["terminated"][i] = terminated
@@ -188,7 +209,7 @@ class SubprocVecEnv:
         self.timeout_s = timeout_s
         self.restart_crashed = restart_crashed
         self._make_env = make_env
-        self._seeds: list[int | None] = [None] * num_envs  # each env's last reset seed
+        self._last_reset = ResetRequest([None] * num_envs)  # replayed on a restarted worker
         self._ignore_terminations = False
         self.restarts = 0  # worker processes replaced so far
         self._startup_s = max(timeout_s, 300.0)  # building envs can take far longer than a step
@@ -253,7 +274,8 @@ class SubprocVecEnv:
         self._procs[rank], self._pipes[rank] = self._spawn(start, stop)
         self.restarts += 1
         self._answer(rank, self._startup_s)  # ready
-        for command in (("ignore_terminations", self._ignore_terminations), ("reset", self._seeds[start:stop])):
+        replay = self._last_reset.slice(start, stop, reconfigure=False)  # a fresh process: nothing to clear
+        for command in (("ignore_terminations", self._ignore_terminations), ("reset", replay)):
             self._pipes[rank].send(command)
             self._answer(rank, self._startup_s)
 
@@ -313,8 +335,11 @@ class SubprocVecEnv:
         return list(zip(bounds[:-1], bounds[1:], strict=True))
 
     # -- VecEnv API ------------------------------------------------------------
-    def reset(self, seed: int | list[int] | None = None) -> tuple[Obs, dict]:
-        """Reset every env. ``seed``: int (env ``i`` gets ``seed + i``), a list, or None."""
+    def reset(self, seed: int | list[int] | None = None, reconfigure: bool = False,
+              auto_resets: AutoResets | None = None) -> tuple[Obs, dict]:
+        """Reset every env. ``seed``: int (env ``i`` gets ``seed + i``), a list, or None;
+        ``reconfigure``: rebuild the scenes first; ``auto_resets``: where the episodes the
+        envs start by themselves get their seeds (None: from each env's reset seed)."""
         if isinstance(seed, int):
             seeds = [seed + i for i in range(self.num_envs)]
         elif seed is None:
@@ -323,11 +348,11 @@ class SubprocVecEnv:
             seeds = list(seed)
             if len(seeds) != self.num_envs:
                 raise ValueError(f"reset got {len(seeds)} seeds for {self.num_envs} envs")
-        self._seeds = list(seeds)
+        self._last_reset = ResetRequest(seeds, reconfigure, auto_resets)
         if self._local is not None:
-            self._local.reset(seeds)
+            self._local.reset(self._last_reset)
         else:
-            self._broadcast("reset", [seeds[a:b] for a, b in self._slices()])
+            self._broadcast("reset", [self._last_reset.slice(a, b) for a, b in self._slices()])
         self.tracker.reset()
         return self._obs("obs"), {}
 

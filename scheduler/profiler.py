@@ -189,7 +189,7 @@ def _probe_rollout(cfg, plan: Candidate, repeats: int = 3) -> _Probe:
     algorithm = dataclasses.replace(cfg.algorithm, rollout_steps=max(PROBE_STEPS), advantage="gae")
     workers = Workers(dataclasses.replace(cfg, placement=to_placement(plan, cfg.placement), algorithm=algorithm))
     try:
-        workers.env.call("reset", seed=cfg.runner.seed)
+        workers.reset_envs(iteration=0, sim_steps=0)
         started = time.perf_counter()
         workers.rollout_steps(2)  # pays one-time costs, and says about how long a step takes
         step_estimate = (time.perf_counter() - started) / 2

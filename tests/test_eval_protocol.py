@@ -16,7 +16,8 @@ from embodied.evaluate import (
 )
 from embodied.runner import Workers
 from envs.libero import decode_seed, episode_seed
-from envs.registry import seed_scheme
+from envs.registry import seed_scheme, training_reset_seeds
+from envs.seeds import RunSeeds
 from tests.conftest import run_cli, small_config
 
 
@@ -34,12 +35,12 @@ def test_libero_eval_seeds_are_every_task_init_pair_once_grouped_by_task():
 
 def test_libero_training_slots_spread_tasks_and_are_seeded():
     cfg = compose(["env=libero_spatial"]).env
-    scheme = seed_scheme(cfg)
-    seeds = [scheme.train_seed(cfg, base=1, index=k) for k in range(20)]
+    seeds = training_reset_seeds(cfg, RunSeeds(1), iteration=3, num_envs=20)
     assert [decode_seed(s)[0] for s in seeds] == [k % 10 for k in range(20)]
     assert all(0 <= decode_seed(s)[1] < 50 for s in seeds)
-    assert seeds == [scheme.train_seed(cfg, base=1, index=k) for k in range(20)]  # seeded
-    assert seeds != [scheme.train_seed(cfg, base=2, index=k) for k in range(20)]
+    assert seeds == training_reset_seeds(cfg, RunSeeds(1), iteration=3, num_envs=20)  # seeded
+    assert seeds != training_reset_seeds(cfg, RunSeeds(2), iteration=3, num_envs=20)
+    assert seeds != training_reset_seeds(cfg, RunSeeds(1), iteration=4, num_envs=20)
 
 
 def test_per_task_table_and_suite_mean():

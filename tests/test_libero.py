@@ -80,14 +80,18 @@ def test_state_mode_renders_nothing_and_episodes_end_at_the_limit():
 def test_grpo_groups_start_from_one_init_state():
     from embodied.config import compose
     from embodied.workers.env_worker import EnvWorker
+    from envs.registry import training_reset_seeds
+    from envs.seeds import AutoResets, RunSeeds
 
     cfg = compose(["env=libero_spatial", "env.image_size=32"]).env
     worker = EnvWorker(cfg, num_envs=2, rank=0, world_size=1)
+    run = RunSeeds(5)
     try:
-        worker.reset(seed=5, group_size=2)
+        worker.reset(training_reset_seeds(cfg, run, 0, 2, group_size=2), AutoResets(run.auto_resets, 0, 2, 0))
         rgb = worker.obs[0]["rgb"]
         torch.testing.assert_close(rgb[0], rgb[1], rtol=0, atol=0)
-        worker.reset(seed=5, group_size=1)  # two slots: tasks 0 and 1
+        # two slots: tasks 0 and 1
+        worker.reset(training_reset_seeds(cfg, run, 0, 2, group_size=1), AutoResets(run.auto_resets, 0, 2, 0))
         assert worker.obs[0]["task"].argmax(-1).tolist() == [0, 1]
     finally:
         worker.close()

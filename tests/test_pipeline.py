@@ -21,7 +21,7 @@ def _train(overrides: list[str], iterations: int = 2) -> dict:
                        "env.max_episode_steps=10", "placement.actor_threads=1", *overrides)
     workers = Workers(cfg)
     try:
-        workers.env.call("reset", seed=cfg.runner.seed)
+        workers.reset_envs(iteration=0, sim_steps=0)
         trajectories, episodes = [], []
         for _ in range(iterations):
             workers.prepare_generation()

@@ -58,7 +58,7 @@ def _measure(name: str, cfg, iterations: int, on_iteration) -> ModeResult:
 
     workers = Workers(cfg)
     try:
-        workers.env.call("reset", seed=cfg.runner.seed)
+        workers.reset_envs(iteration=0, sim_steps=0)
         steps = cfg.algorithm.rollout_steps
         rows = []
         for i in range(iterations + 1):  # the first is a warm-up (renderer setup, lazy init)

@@ -9,6 +9,7 @@ from torch import nn
 
 from embodied.algorithms.ppo import optimizer_groups, ppo_update
 from embodied.workers.rollout_worker import merge_trajectories
+from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
 from scheduler.offload import DeviceState
 from scheduler.weight_sync import (
@@ -27,12 +28,13 @@ class ActorWorker(Worker):
                  update_threads: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.update_threads = update_threads
-        torch.manual_seed(seed)
+        seeds = RunSeeds(seed)
+        torch.manual_seed(seeds.generator(Purpose.INIT))
         self.cfg = algorithm_cfg
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
         # only trainable parameters (LoRA: adapters + value head); the critic's in a group of its own with critic_lr
         self.optimizer = torch.optim.Adam(optimizer_groups(self.policy, algorithm_cfg), lr=algorithm_cfg.lr, eps=1e-5)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seeds.generator(Purpose.MINIBATCH))
         self.device_state = DeviceState(self.policy, self.optimizer)
         self.shared: SharedWeights | None = None
         # algorithm.kl_coef > 0: a frozen copy of the starting weights that the KL penalty holds the policy near

@@ -19,7 +19,8 @@ import torch
 
 from envs.base import episode_rows
 from envs.chunking import ChunkedVecEnv
-from envs.registry import make_vec_env, seed_scheme
+from envs.registry import make_vec_env
+from envs.seeds import AutoResets
 from scheduler.channel import Channel, InOrder
 from scheduler.worker import Worker, resident_mib
 
@@ -51,19 +52,19 @@ class EnvWorker(Worker):
         """This worker's resident memory: its simulator's, as the profiler records it."""
         return resident_mib()
 
-    def _reset(self, seeds: list[int], ignore_terminations: bool) -> None:
+    def _reset(self, seeds: list[int], ignore_terminations: bool, reconfigure: bool = False,
+               auto_resets: AutoResets | None = None) -> None:
         for s, env in enumerate(self.envs):
             env.set_ignore_terminations(ignore_terminations)
-            self.obs[s], _ = env.reset(seed=seeds[s * self.stage_size:(s + 1) * self.stage_size])
+            first = s * self.stage_size
+            self.obs[s], _ = env.reset(seed=seeds[first:first + self.stage_size], reconfigure=reconfigure,
+                                       auto_resets=auto_resets.shifted(first) if auto_resets else None)
 
-    def reset(self, seed: int, group_size: int = 1) -> None:
-        """Reset for training. Env ``i`` of this rank is env ``j = rank * num_envs + i`` of the
-        whole batch and starts episode slot ``j // group_size`` (the backend's
-        ``train_seed(seed, slot)``): the envs of a GRPO group share an initial state."""
-        scheme = seed_scheme(self.env_cfg)
-        first = self.rank * self.num_envs
-        seeds = [scheme.train_seed(self.env_cfg, seed, j // group_size) for j in range(first, first + self.num_envs)]
-        self._reset(seeds, ignore_terminations=False)
+    def reset(self, seeds: list[int], auto_resets: AutoResets) -> None:
+        """Reset this rank's envs for training with ``seeds`` (one per env, from the training
+        stream: see ``Workers.reset_envs``); ``auto_resets`` (this rank's slice) seeds the
+        episodes that follow."""
+        self._reset(seeds, ignore_terminations=False, auto_resets=auto_resets)
 
     def interact(self, num_steps: int, channel: Channel, on_step: Callable | None = None) -> dict:
         """Run ``num_steps`` steps of every micro-batch against a RolloutWorker.
@@ -99,14 +100,16 @@ class EnvWorker(Worker):
         busy_s = time.perf_counter() - started - wait_s
         return {"episodes": episodes, "sim_s": busy_s, "step_s": step_s, "wait_s": wait_s}
 
-    def evaluate(self, seeds: list[int], episode_ids: list[int], record: list[bool], channel: Channel) -> dict:
-        """One fixed-horizon episode per env, reset with ``seeds``.
+    def evaluate(self, seeds: list[int], episode_ids: list[int], record: list[bool], channel: Channel,
+                 reconfigure: bool = True) -> dict:
+        """One fixed-horizon episode per env, reset with ``seeds`` (``reconfigure``: scenes rebuilt
+        first, so an episode depends only on its seed and the weights, never on what ran before).
 
         Returns ``rows`` (one per episode, tagged with ``seed`` and ``episode`` = its
         ``episode_ids`` entry; ids < 0 are padding, run but not reported) and ``videos``
         (episode id -> :func:`_video` frames of the envs flagged in ``record``).
         """
-        self._reset(seeds, ignore_terminations=True)
+        self._reset(seeds, ignore_terminations=True, reconfigure=reconfigure)
         recorders = {i: _EpisodeFrames(self._frame(i, self.obs[i // self.stage_size], None))
                      for i, flag in enumerate(record) if flag}
 

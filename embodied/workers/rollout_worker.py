@@ -13,6 +13,7 @@ import time
 import torch
 
 from embodied.registry import Registry
+from envs.seeds import Purpose, RunSeeds, episode_noise_seed
 from policies.base import set_batch_invariant
 from policies.registry import make_policy
 from scheduler.channel import Channel, InOrder
@@ -49,7 +50,9 @@ class RolloutWorker(Worker):
         self.stage_size = envs_per_worker // stages
         self.action_shape = (envs_per_worker, self.policy.noise_dim)
         # ... and the same noise: one generator per env rank, one draw per step for its whole slice
-        self.generators = {r: torch.Generator().manual_seed(seed + 7919 * (r + 1)) for r in self.env_ranks}
+        seeds = RunSeeds(seed)
+        self.generators = {r: torch.Generator().manual_seed(seeds.generator(Purpose.ROLLOUT_NOISE, r))
+                           for r in self.env_ranks}
         self.shared: SharedWeights | None = None
         self._start_timing()
 
@@ -164,16 +167,22 @@ class RolloutWorker(Worker):
         return reward
 
     @torch.no_grad()
-    def serve_eval(self, num_steps: int, channel: Channel, deterministic: bool) -> None:
-        """Answer ``num_steps`` steps of evaluation episodes (no trajectory kept)."""
+    def serve_eval(self, num_steps: int, channel: Channel, deterministic: bool,
+                   episode_seeds: dict[int, list[int]]) -> None:
+        """Answer ``num_steps`` steps of evaluation episodes (no trajectory kept).
+        ``episode_seeds``: env rank -> the seed of each of its envs' episodes; a sampled action
+        uses noise of its episode's own stream, so it does not depend on the batch or on training."""
         self._start_timing()
         incoming = self._observations(channel, num_steps)
+        noise_of = {(r, s): [torch.Generator().manual_seed(episode_noise_seed(seed))
+                             for seed in episode_seeds[r][s * self.stage_size:(s + 1) * self.stage_size]]
+                    for r, s in self.streams}
         for t in range(num_steps + 1):
-            step_noise: dict[int, torch.Tensor] = {}
             for env_rank, stage in self.streams:
                 msg = self._get(incoming)
                 if t < num_steps:
-                    noise = self._noise(env_rank, stage, step_noise)
+                    noise = torch.stack([torch.randn(self.action_shape[1:], generator=g)
+                                         for g in noise_of[env_rank, stage]])
                     channel.put(self._act(msg["obs"], deterministic, noise)[3], key=("act", env_rank, stage))
         self._stop_timing()
 
