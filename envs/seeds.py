@@ -104,6 +104,12 @@ class EpisodeStream:
         """The ``index``-th episode seed (indices past the region's size wrap around)."""
         return self.region.base + ((self.multiplier * int(index) + self.offset) & (self.region.size - 1))
 
+    def index_of(self, seeds: np.ndarray) -> np.ndarray:
+        """The inverse of ``seeds``: which index each seed of this stream is (int64 array)."""
+        inverse = np.uint64(pow(self.multiplier, -1, self.region.size))
+        shifted = (np.asarray(seeds, dtype=np.int64) - self.region.base).astype(np.uint64)
+        return ((shifted - np.uint64(self.offset)) * inverse & np.uint64(self.region.size - 1)).astype(np.int64)
+
     def seeds(self, indices: np.ndarray) -> np.ndarray:
         """``seed`` over an int64 array of indices (vectorized, exact: uint64 arithmetic wraps mod 2^64)."""
         n = np.asarray(indices, dtype=np.uint64)

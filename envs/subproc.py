@@ -16,6 +16,7 @@ worker that is already its own process).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import traceback
 from collections.abc import Callable
@@ -108,6 +109,8 @@ class EnvBatch:
         for i, (env, seed) in enumerate(zip(self.envs, request.seeds, strict=True)):
             self.seeds[i], self.steps_since_reset[i] = seed, 0
             self._write_obs("obs", i, env.reset(seed, reconfigure=request.reconfigure))
+        if request.reconfigure:
+            gc.collect()  # the scenes just torn down, all at once (ManiSkill's teardown would collect per env)
 
     def _auto_reset_seed(self, i: int) -> int | None:
         """Seed of env ``i``'s next episode from the auto-reset stream (envs/seeds.py): the

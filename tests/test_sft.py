@@ -75,7 +75,8 @@ def test_sft_fits_the_demos_and_saves_a_loadable_checkpoint(cfg, demos, sft_run)
 
 def test_rl_from_the_sft_checkpoint_runs_chunks_and_trains_per_token(sft_run, tmp_path):
     """``train checkpoint=<sft run>`` (its env and policy): chunked rollouts (2 decisions of 4 steps), a PPO update with
-    one ratio per token, the final eval and its video with a frame per simulator step."""
+    one ratio per token, the final eval and its video with a frame per simulator step, and a fresh
+    ``embodied eval`` on another layout that gives the final eval's rows."""
     sft_dir, _ = sft_run
     run_dir = tmp_path / "rl"
     proc = run_cli("train", f"checkpoint={sft_dir}", "env.num_envs=2", "env.max_episode_steps=8",
@@ -89,6 +90,16 @@ def test_rl_from_the_sft_checkpoint_runs_chunks_and_trains_per_token(sft_run, tm
     assert result["training"]["env_steps"] == 16
     (video,) = (run_dir / "videos").glob("*.mp4")
     assert len(imageio.mimread(video)) == 8  # a frame per simulator step, not per chunk
+    # a fresh evaluation of the checkpoint, one env per worker process, gives the same episodes
+    proc = run_cli("eval", f"checkpoint={run_dir}", "env.num_envs=1", "runner.progress=false",
+                   f"runner.run_dir={tmp_path / 'fresh'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fresh = json.loads((tmp_path / "fresh" / "eval.json").read_text())
+    assert [_without_env(r) for r in fresh["rows"]] == [_without_env(r) for r in result["rows"]]
+
+
+def _without_env(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "env"}
 
 
 def _demo_logp(policy, demos) -> float:

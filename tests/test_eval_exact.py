@@ -1,0 +1,75 @@
+"""Evaluation to the episode: a run's own final evaluation and a fresh ``embodied eval`` of its
+checkpoint give the same rows, whatever the training left in the simulators, after a SIGKILL
+and ``resume=``, and however the evaluation is laid out over workers and processes
+(docs/libero_protocol.md, "Seeds")."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from embodied.checkpoint import load_checkpoint
+from tests.conftest import REPO, run_cli
+
+WARM_START = REPO / "assets" / "policies" / "pushcube_state_mlp.pt"  # pushes the cube: contacts from step one
+EPISODE_STEPS, ENVS = 20, 16
+STEPS_PER_ITERATION = EPISODE_STEPS * ENVS
+
+
+def _rows(path) -> list[dict]:
+    """An eval.json's rows without the env slot each ran in (that depends on the layout)."""
+    return [{k: v for k, v in row.items() if k != "env"} for row in json.loads(path.read_text())["rows"]]
+
+
+def _kill_after_checkpoint(args: list[str], checkpoint) -> None:
+    """Run ``embodied <args>`` until ``checkpoint`` exists, then SIGKILL the driver, Ray and every worker."""
+    proc = subprocess.Popen([sys.executable, "-m", "embodied.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    try:
+        deadline = time.time() + 300
+        while not checkpoint.exists():
+            assert proc.poll() is None, "training exited before it was killed"
+            assert time.time() < deadline, f"no {checkpoint.name} after 300 s"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_killed_and_resumed_run_evaluates_as_a_fresh_eval_row_for_row(tmp_path):
+    """Train PushCube from a warm start (every env runs dozens of contact-rich episodes), SIGKILL it
+    after a checkpoint, resume it to the end, then evaluate its checkpoint again in fresh processes
+    on another layout (one env worker of 8 envs in 2 processes instead of two of 8 in-process)."""
+    run_dir = tmp_path / "run"
+    _kill_after_checkpoint(
+        ["train", f"checkpoint={WARM_START}", f"env.num_envs={ENVS}", "placement.env_workers=2",
+         f"env.max_episode_steps={EPISODE_STEPS}", f"algorithm.rollout_steps={EPISODE_STEPS}",
+         "runner.total_env_steps=1000000", "runner.max_minutes=null", "runner.eval_every=0",
+         "runner.stop_at_success=null", "runner.checkpoint_every=1", "eval.episodes=48", "eval.video_episodes=0",
+         "runner.progress=false", f"runner.run_dir={run_dir}"],
+        run_dir / "checkpoints" / "ckpt_000003.pt")
+    killed_at = load_checkpoint(run_dir)["progress"]
+    for ckpt in (run_dir / "checkpoints").glob("ckpt_*.pt"):
+        torch.load(ckpt, weights_only=False)  # every file on disk is complete
+    target = (killed_at["iteration"] + 30) * STEPS_PER_ITERATION
+    proc = run_cli("train", f"resume={run_dir}", f"runner.total_env_steps={target}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = load_checkpoint(run_dir)["progress"]
+    assert resumed["iteration"] == killed_at["iteration"] + 30 and resumed["env_steps"] == target
+    assert resumed["train_seconds"] > killed_at["train_seconds"]
+    trained = json.loads((run_dir / "eval.json").read_text())
+    assert trained["success_once"] > 0  # the policy reaches the cube: its episodes have contacts
+
+    fresh_dir = tmp_path / "fresh"
+    proc = run_cli("eval", f"checkpoint={run_dir}", "env.num_envs=8", "env.num_procs=2",
+                   "placement.env_workers=1", "placement.env=0", f"runner.run_dir={fresh_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained_rows, fresh_rows = _rows(run_dir / "eval.json"), _rows(fresh_dir / "eval.json")
+    assert [r["seed"] for r in fresh_rows] == list(range(1_000_000, 1_000_048))
+    differing = [a["seed"] for a, b in zip(trained_rows, fresh_rows, strict=True) if a != b]
+    assert not differing, f"{len(differing)} of 48 episodes differ: seeds {differing}"
