@@ -19,7 +19,8 @@ KEEP = 3  # older checkpoints are pruned after a newer one is safely written
 BEST = "best.pt"  # runner.final_weights=best: the best periodic validation's weights
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """Write ``path`` whole or not at all: ``write(f)`` into a temporary file, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -43,8 +44,8 @@ def _atomic_write(path: Path, write) -> None:
 def save_checkpoint(run_dir: Path, iteration: int, state: dict) -> Path:
     ckpt_dir = Path(run_dir) / "checkpoints"
     path = ckpt_dir / f"ckpt_{iteration:06d}.pt"
-    _atomic_write(path, lambda f: torch.save(state, f))
-    _atomic_write(ckpt_dir / "latest.json", lambda f: f.write(json.dumps({"file": path.name}).encode()))
+    atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(ckpt_dir / "latest.json", lambda f: f.write(json.dumps({"file": path.name}).encode()))
     for old in sorted(ckpt_dir.glob("ckpt_*.pt"))[:-KEEP]:
         old.unlink()
     return path
@@ -54,7 +55,7 @@ def save_best_checkpoint(run_dir: Path, state: dict) -> Path:
     """``<run_dir>/checkpoints/best.pt``: the weights of the best periodic validation so far.
     Never pruned, and not what a run directory resolves to (that stays the newest)."""
     path = Path(run_dir) / "checkpoints" / BEST
-    _atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(path, lambda f: torch.save(state, f))
     return path
 
 

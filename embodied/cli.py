@@ -1,4 +1,4 @@
-"""``embodied``: train | sft | eval | record | bench | check-render | setup-render.
+"""``embodied``: train | sft | eval | evals | record | bench | plan | check-render | setup-render.
 
 Arguments after the subcommand are Hydra overrides, e.g.
 ``embodied train env=maniskill_pickcube algorithm.lr=3e-4``.
@@ -61,18 +61,19 @@ def config_from_saved(saved_yaml: str, overrides: list[str]):
     return validate(OmegaConf.merge(base, OmegaConf.from_dotlist(dotted)))
 
 
-def _new_run_dir(cfg) -> Path:
-    if cfg.runner.run_dir:
-        return Path(cfg.runner.run_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.env.task}-{cfg.policy.name}-{stamp}"
+def _remove_if_empty(path: Path) -> None:
+    """A command that failed before writing anything leaves no directory behind."""
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
 
 
 def cmd_train(overrides: list[str], print_cfg: bool) -> int:
-    from embodied.checkpoint import load_checkpoint
+    from embodied.checkpoint import load_checkpoint, resolve_checkpoint
     from embodied.config import to_yaml
     from embodied.evaluate import record_videos, recording_seeds, write_eval
+    from embodied.run_dirs import claim_dir, file_away_final_eval, index_evaluation, protocol_digest
     from embodied.runner import Trainer
+    from envs.registry import seed_scheme
     from policies.registry import check_trainable
 
     resume, rest = _split(overrides, "resume")
@@ -90,17 +91,25 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
         cfg, warm, ckpt_path = _checkpointed(rest)
         if ckpt_path is not None:
             cfg.checkpoint = str(ckpt_path)
-            if not any(item.startswith("runner.run_dir=") for item in rest):
-                cfg.runner.run_dir = None  # a new run, not the checkpoint's directory
-        run_dir = _new_run_dir(cfg)
     check_trainable(cfg.policy)
     if print_cfg:
         print(to_yaml(cfg))
         return 0
-    trainer = Trainer(cfg, run_dir, resume_from=resume_state, warm_start=warm)
+    if not resume:
+        run_dir = claim_dir(cfg.runner.run_dir, Path("runs"), f"{cfg.env.task}-{cfg.policy.name}", "this training")
+        cfg.runner.run_dir = str(run_dir)
+    try:
+        trainer = Trainer(cfg, run_dir, resume_from=resume_state, warm_start=warm)
+    except BaseException:
+        _remove_if_empty(run_dir)
+        raise
     try:
         summary = trainer.train()
+        file_away_final_eval(run_dir)  # a resumed run's earlier final evaluation is kept, not replaced
         table = write_eval(run_dir, summary)
+        seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
+        index_evaluation(run_dir, run_dir, summary, "train", str(resolve_checkpoint(run_dir)),
+                         protocol_digest(cfg.eval, cfg.env, seeds))
         policy = _policy_from_state(cfg, trainer.workers.obs_spec, trainer.workers.action_dim,
                                     trainer.workers.actor_state()["policy"])
     finally:
@@ -135,15 +144,24 @@ def _checkpointed(overrides: list[str]):
         return compose(rest), None, None
     path = resolve_checkpoint(ckpt)
     state = load_checkpoint(path)
-    return config_from_saved(state["config_yaml"], rest), state, path
+    cfg = config_from_saved(state["config_yaml"], rest)
+    named_here, _ = _split(rest, "runner.run_dir")
+    if named_here is None:  # where the checkpoint's run wrote is not where this command writes
+        cfg.runner.run_dir = None
+    return cfg, state, path
 
 
-def _out_dir(cfg, ckpt_path: Path | None, name: str) -> Path:
+def _out_dir(cfg, ckpt_path: Path | None, kind: str, name: str) -> Path:
+    """Where ``eval`` / ``record`` write: ``runner.run_dir`` (refused if it holds results), else a new
+    ``<run>/<kind>/<name>-<time>`` beside the checkpoint's run, else ``runs/<kind>-<task>-<policy>-<time>``."""
+    from embodied.run_dirs import claim_dir, make_unique_dir, run_of_checkpoint, stamp
+
     if cfg.runner.run_dir:
-        return Path(cfg.runner.run_dir)
-    if ckpt_path is not None:
-        return ckpt_path.parent.parent / name
-    return Path("runs") / f"{name}-{cfg.env.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return claim_dir(cfg.runner.run_dir, Path("runs"), kind, f"this {kind}")
+    run = run_of_checkpoint(ckpt_path) if ckpt_path is not None else None
+    if run is not None:
+        return make_unique_dir(run / kind, f"{name}-{stamp()}")
+    return make_unique_dir(Path("runs"), f"{kind}-{cfg.env.task}-{cfg.policy.name}-{stamp()}")
 
 
 def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[int] = frozenset()):
@@ -165,25 +183,34 @@ def cmd_eval(overrides: list[str]) -> int:
     """Run the env backend's evaluation protocol; without a checkpoint, the policy as built
     (``policy=random``: the random baseline). Writes eval.json, eval.md and videos/."""
     from embodied.evaluate import summarize, video_episodes, write_episode_video, write_eval
+    from embodied.run_dirs import index_evaluation, protocol_digest, run_of_checkpoint
     from envs.registry import check_env_config, seed_scheme
 
     cfg, state, path = _checkpointed(overrides)
     check_env_config(cfg.env)
     if cfg.eval.trials_per_task < 1:
         raise UserError(f"eval.trials_per_task={cfg.eval.trials_per_task}: run at least 1 trial per task.")
-    out_dir = _out_dir(cfg, path, "eval")
     seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
+    digest = protocol_digest(cfg.eval, cfg.env, seeds)
     record = video_episodes(seeds, cfg.env, cfg.eval.videos_per_task)
     if state is None and not cfg.policy.model_path:
         print(f"note: no checkpoint given: evaluating policy={cfg.policy.name} as initialised", file=sys.stderr)
+    out_dir = _out_dir(cfg, path, "evals", f"{path.stem if path else 'untrained'}-{digest}")
     t0 = time.perf_counter()
-    rows, videos, max_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)
+    try:
+        rows, videos, max_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)
+    except BaseException:
+        _remove_if_empty(out_dir)
+        raise
     summary = summarize(rows, cfg.env, cfg.eval.tasks)
     wall_s = time.perf_counter() - t0
     env_steps = max_steps * cfg.env.num_envs * math.ceil(len(seeds) / cfg.env.num_envs)  # padding included
     summary.update(checkpoint=str(path) if path else None, policy=cfg.policy.name, wall_s=wall_s,
                    env_steps=env_steps, env_steps_per_s=env_steps / wall_s, num_envs=cfg.env.num_envs)
     table = write_eval(out_dir, summary)
+    run = run_of_checkpoint(path) if path else None
+    if run is not None:
+        index_evaluation(run, out_dir, summary, "eval", str(path), digest)
     for k, video in sorted(videos.items()):
         row = rows[k]
         index, name = seed_scheme(cfg.env).task_of(cfg.env, row["seed"])
@@ -193,6 +220,21 @@ def cmd_eval(overrides: list[str]) -> int:
     print(f"{len(rows)} episodes in {wall_s:.0f} s ({env_steps / wall_s:.1f} env-steps/s with "
           f"{cfg.env.num_envs} envs); {len(videos)} videos in {out_dir / 'videos'}")
     print(out_dir.resolve())
+    return 0
+
+
+def cmd_evals(overrides: list[str]) -> int:
+    """``embodied evals <run_dir>``: every evaluation of the run's checkpoints, oldest first."""
+    from embodied.run_dirs import read_index
+
+    if len(overrides) != 1 or not (Path(overrides[0]) / "config.yaml").exists():
+        raise UserError(f"embodied evals needs one training run directory (with a config.yaml), got {overrides}: "
+                        "pass the directory `embodied train` printed as its last line.")
+    print("| time | kind | checkpoint | protocol | episodes | success_once | success_at_end | return_mean | path |")
+    print("|---|---|---|---|---:|---:|---:|---:|---|")
+    for e in read_index(Path(overrides[0])):
+        print(f"| {e['time']} | {e['kind']} | {Path(e['checkpoint']).name} | {e['protocol']} | {e['episodes']} | "
+              f"{e['success_once']:.3f} | {e['success_at_end']:.3f} | {e['return_mean']:.2f} | {e['path']} |")
     return 0
 
 
@@ -209,19 +251,21 @@ def cmd_record(overrides: list[str]) -> int:
         check_env_config(cfg.env)
         check_policy_config(cfg.policy, env_action_dim(cfg.env))
         as_built = cfg.policy
-    out_dir = _out_dir(cfg, path, "videos")
+    out_dir = _out_dir(cfg, path, "records", path.stem if path else "untrained")
     episodes = max(cfg.eval.video_episodes, 1)
     seeds = recording_seeds(cfg.env, cfg.eval, episodes)
     for video in record_videos(policy, cfg.env, seeds, out_dir, cfg.eval.deterministic, policy_cfg=as_built):
         print(video.resolve())
+    print(out_dir.resolve())
     return 0
 
 
 def cmd_sft(overrides: list[str]) -> int:
     """``embodied sft [overrides]``: warm-start a VLA on motion-planner demos, then evaluate it."""
-    from embodied.checkpoint import load_checkpoint
+    from embodied.checkpoint import load_checkpoint, resolve_checkpoint
     from embodied.config import compose
     from embodied.evaluate import summarize, write_eval
+    from embodied.run_dirs import claim_dir, index_evaluation, protocol_digest
     from embodied.sft import train_sft
     from envs.registry import check_env_config, env_action_dim, seed_scheme
     from policies.registry import check_policy_config
@@ -229,13 +273,20 @@ def cmd_sft(overrides: list[str]) -> int:
     cfg = compose(overrides)
     check_env_config(cfg.env)
     check_policy_config(cfg.policy, env_action_dim(cfg.env))
-    run_dir = Path(cfg.runner.run_dir) if cfg.runner.run_dir else (
-        Path("runs") / f"sft-{cfg.env.task}-{cfg.policy.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    stats = train_sft(cfg, run_dir)
-    rows, _, _ = _run_protocol(cfg, load_checkpoint(run_dir)["actor"], seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval))
+    run_dir = claim_dir(cfg.runner.run_dir, Path("runs"), f"sft-{cfg.env.task}-{cfg.policy.name}", "this SFT run")
+    cfg.runner.run_dir = str(run_dir)
+    try:
+        stats = train_sft(cfg, run_dir)
+    except BaseException:
+        _remove_if_empty(run_dir)
+        raise
+    seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
+    rows, _, _ = _run_protocol(cfg, load_checkpoint(run_dir)["actor"], seeds)
     summary = summarize(rows, cfg.env, cfg.eval.tasks)
     summary["sft"] = stats
     print(write_eval(run_dir, summary))
+    index_evaluation(run_dir, run_dir, summary, "sft", str(resolve_checkpoint(run_dir)),
+                     protocol_digest(cfg.eval, cfg.env, seeds))
     print(f"SFT on {stats['demos']} demos ({stats['steps']} steps), {cfg.sft.epochs} epochs: "
           f"loss {stats['sft/loss']:.3f}, token accuracy {stats['sft/token_accuracy']:.3f}; "
           f"eval success_once {summary['success_once']:.3f}")
@@ -269,12 +320,13 @@ def cmd_bench(overrides: list[str], as_json: bool, iterations: int) -> int:
     import json
 
     from embodied.bench import BENCHES
+    from embodied.run_dirs import make_unique_dir, stamp
 
     if not overrides:
         raise UserError(f"embodied bench needs a benchmark name: one of {', '.join(BENCHES)}.")
     name, rest = overrides[0], overrides[1:]
     bench = importlib.import_module(BENCHES.get(name))
-    out_dir = Path("bench") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir = make_unique_dir(Path("bench"), f"{name}-{stamp()}")
     summary = bench.run(rest, iterations=iterations, out_dir=out_dir)  # progress goes to stderr
     print(json.dumps(summary, indent=2) if as_json else bench.markdown(summary) + f"\nfiles: {out_dir.resolve()}")
     return 0
@@ -364,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="plan: a saved profile (JSON) instead of this machine's")
     parser.add_argument("--devices-per-node", type=int, help="plan: nodes of this many devices (what-if)")
     parser.add_argument("--network-gbps", type=float, default=100.0, help="plan: link between nodes, Gb/s")
-    parser.add_argument("command", choices=["train", "sft", "eval", "record", "bench", "plan", "check-render",
-                                            "setup-render"])
+    parser.add_argument("command", choices=["train", "sft", "eval", "evals", "record", "bench", "plan",
+                                            "check-render", "setup-render"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
                         "(bench: the benchmark name first, e.g. `embodied bench pipeline`)")
     args = parser.parse_intermixed_args(argv)
@@ -373,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": lambda: cmd_train(args.overrides, print_cfg=args.cfg == "job"),
         "sft": lambda: cmd_sft(args.overrides),
         "eval": lambda: cmd_eval(args.overrides),
+        "evals": lambda: cmd_evals(args.overrides),
         "record": lambda: cmd_record(args.overrides),
         "bench": lambda: cmd_bench(args.overrides, args.json, args.iterations),
         "plan": lambda: cmd_plan(args.overrides, args.devices, args.profile, args.json, args.devices_per_node,

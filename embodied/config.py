@@ -164,7 +164,7 @@ class EvalConfig:
     deterministic: bool = True  # mean action instead of a sample (else a sample from noise seeded by the episode)
     # rebuild each env's scene at every evaluation reset (ManiSkill's protocol), so an episode depends
     # only on its seed and the weights; false saves ~0.3 s per env and evaluation on CPU, but the
-    # simulator's leftovers from training then change some episodes (docs/libero_protocol.md, "Seeds")
+    # simulator's leftovers from training then change some episodes (docs/seeds.md)
     reconfigure: bool = True
     video_episodes: int = 2  # videos recorded by `train` at its end and by `record`
     videos_per_task: int = 1  # `eval`: videos of each task's first episodes, recorded during the eval

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embodied.checkpoint import atomic_write
 from envs.registry import seed_scheme
 from envs.seeds import episode_noise_seed
 from envs.video import VideoRecorder
@@ -132,10 +133,9 @@ def markdown_table(summary: dict) -> str:
 
 def write_eval(out_dir: Path, summary: dict) -> str:
     """Write ``eval.json`` and ``eval.md`` into ``out_dir``; returns the markdown table."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "eval.json").write_text(json.dumps(summary, indent=1))
     table = markdown_table(summary)
-    (out_dir / "eval.md").write_text(table)
+    atomic_write(out_dir / "eval.json", lambda f: f.write(json.dumps(summary, indent=1).encode()))
+    atomic_write(out_dir / "eval.md", lambda f: f.write(table.encode()))
     return table
 
 

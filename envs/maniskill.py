@@ -228,7 +228,7 @@ class ManiSkillGPUVecEnv:
     def reset(self, seed: int | list[int] | None = None, reconfigure: bool = False,
               auto_resets=None) -> tuple[Obs, dict]:
         """``auto_resets`` is not used: ManiSkill's GPU vector env resets finished envs with seeds
-        of its own, drawn from the reset seeds (docs/libero_protocol.md, "Seeds")."""
+        of its own, drawn from the reset seeds (docs/seeds.md)."""
         obs, info = self.env.reset(seed=seed, options={"reconfigure": True} if reconfigure else None)
         self.tracker.reset()
         return as_obs_dict(obs), {}

@@ -1,7 +1,7 @@
 """Evaluation to the episode: a run's own final evaluation and a fresh ``embodied eval`` of its
 checkpoint give the same rows, whatever the training left in the simulators, after a SIGKILL
 and ``resume=``, and however the evaluation is laid out over workers and processes
-(docs/libero_protocol.md, "Seeds")."""
+(docs/seeds.md)."""
 
 import json
 import os

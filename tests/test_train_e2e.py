@@ -100,6 +100,7 @@ def test_cli_train_then_eval_and_record(tmp_path):
 
     assert [episode(r) for r in evaluated["rows"][:4]] == [episode(r) for r in result["rows"]]
     assert "| PushCube-v1 |" in proc.stdout
+    _check_results_are_kept(run_dir, eval_dir, tmp_path)
 
     video_dir = tmp_path / "videos"
     proc = run_cli("record", f"checkpoint={run_dir}", "eval.video_episodes=1", "env.render_size=64",
@@ -109,6 +110,34 @@ def test_cli_train_then_eval_and_record(tmp_path):
     frames = imageio.mimread(video)
     assert len(frames) == 50 and frames[0].shape == (64, 64, 3)
     assert frames[10].std() > 5
+
+
+def _check_results_are_kept(run_dir: Path, eval_dir: Path, tmp_path: Path) -> None:
+    """Later commands never overwrite a run's results: an eval without runner.run_dir goes to a
+    new <run>/evals/ directory, every evaluation of the run's checkpoints is in its index, and a
+    runner.run_dir that holds results is refused."""
+    from embodied.run_dirs import read_index
+
+    trained_bytes = (run_dir / "eval.json").read_bytes()
+    first = sorted((run_dir / "checkpoints").glob("ckpt_*.pt"))[0]
+    proc = run_cli("eval", f"checkpoint={first}", "eval.episodes=2", "eval.videos_per_task=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (earlier,) = (run_dir / "evals").glob(f"{first.stem}-*")
+    assert proc.stdout.strip().splitlines()[-1] == str(earlier.resolve())
+    assert json.loads((earlier / "eval.json").read_text())["episodes"] == 2
+    assert (run_dir / "eval.json").read_bytes() == trained_bytes
+    index = read_index(run_dir)
+    assert [e["kind"] for e in index] == ["train", "eval", "eval"]
+    assert [Path(e["path"]) for e in index] == [run_dir.resolve(), eval_dir.resolve(), earlier.resolve()]
+    assert index[1]["checkpoint"] != index[2]["checkpoint"] and index[1]["protocol"] != index[2]["protocol"]
+    for holder in (run_dir, eval_dir):  # a run, an evaluation: both refused, nothing written
+        proc = run_cli("eval", f"checkpoint={run_dir}", f"runner.run_dir={holder}")
+        assert proc.returncode == 2 and "already holds results" in proc.stderr
+    proc = run_cli("train", *SMALL, f"runner.run_dir={run_dir}")
+    assert proc.returncode == 2 and "resume=" in proc.stderr
+    assert (run_dir / "eval.json").read_bytes() == trained_bytes and len(read_index(run_dir)) == 3
+    proc = run_cli("evals", str(run_dir))
+    assert proc.returncode == 0 and proc.stdout.count("\n| ") == 4 and str(earlier.resolve()) in proc.stdout
 
 
 def _check_auto_placement(report: dict, run_dir: Path) -> None:
