@@ -63,7 +63,7 @@ def test_observation_names_the_task_and_its_instruction(spatial):
 
 
 def test_auto_reset_keeps_the_task_and_draws_another_init_state(spatial):
-    assert decode_seed(spatial.auto_reset_seed(episode_seed(3, 7), entropy=123)) == (3, 123 % 50)
+    assert decode_seed(spatial.auto_reset_seed(episode_seed(3, 7), drawn=123)) == (3, 123 % 50)
 
 
 def test_state_mode_renders_nothing_and_episodes_end_at_the_limit():

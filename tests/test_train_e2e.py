@@ -71,7 +71,7 @@ def test_runner_warms_up_the_critic_then_trains_near_the_kl_reference(ray_cluste
     assert changed(weights[1], weights[2]) - critic  # the actor trains once the warm-up is over
 
 
-def test_cli_train_then_eval_and_record(tmp_path):
+def test_cli_train_then_eval_and_record(tmp_path, capsys):
     """Training with ``placement.mode=auto`` (profile, plan, run the plan), then eval and
     record from its checkpoint."""
     run_dir, profiles = tmp_path / "run", tmp_path / "profiles"
@@ -100,7 +100,7 @@ def test_cli_train_then_eval_and_record(tmp_path):
 
     assert [episode(r) for r in evaluated["rows"][:4]] == [episode(r) for r in result["rows"]]
     assert "| PushCube-v1 |" in proc.stdout
-    _check_results_are_kept(run_dir, eval_dir, tmp_path)
+    _check_results_are_kept(run_dir, eval_dir, capsys)
 
     video_dir = tmp_path / "videos"
     proc = run_cli("record", f"checkpoint={run_dir}", "eval.video_episodes=1", "env.render_size=64",
@@ -112,10 +112,11 @@ def test_cli_train_then_eval_and_record(tmp_path):
     assert frames[10].std() > 5
 
 
-def _check_results_are_kept(run_dir: Path, eval_dir: Path, tmp_path: Path) -> None:
+def _check_results_are_kept(run_dir: Path, eval_dir: Path, capsys) -> None:
     """Later commands never overwrite a run's results: an eval without runner.run_dir goes to a
     new <run>/evals/ directory, every evaluation of the run's checkpoints is in its index, and a
     runner.run_dir that holds results is refused."""
+    from embodied.cli import main as cli_main
     from embodied.run_dirs import read_index
 
     trained_bytes = (run_dir / "eval.json").read_bytes()
@@ -130,14 +131,15 @@ def _check_results_are_kept(run_dir: Path, eval_dir: Path, tmp_path: Path) -> No
     assert [e["kind"] for e in index] == ["train", "eval", "eval"]
     assert [Path(e["path"]) for e in index] == [run_dir.resolve(), eval_dir.resolve(), earlier.resolve()]
     assert index[1]["checkpoint"] != index[2]["checkpoint"] and index[1]["protocol"] != index[2]["protocol"]
+    # refusals happen before any worker starts: the CLI's main, in this process
     for holder in (run_dir, eval_dir):  # a run, an evaluation: both refused, nothing written
-        proc = run_cli("eval", f"checkpoint={run_dir}", f"runner.run_dir={holder}")
-        assert proc.returncode == 2 and "already holds results" in proc.stderr
-    proc = run_cli("train", *SMALL, f"runner.run_dir={run_dir}")
-    assert proc.returncode == 2 and "resume=" in proc.stderr
+        assert cli_main(["eval", f"checkpoint={run_dir}", f"runner.run_dir={holder}"]) == 2
+        assert "already holds results" in capsys.readouterr().err
+    assert cli_main(["train", *SMALL, f"runner.run_dir={run_dir}"]) == 2 and "resume=" in capsys.readouterr().err
     assert (run_dir / "eval.json").read_bytes() == trained_bytes and len(read_index(run_dir)) == 3
-    proc = run_cli("evals", str(run_dir))
-    assert proc.returncode == 0 and proc.stdout.count("\n| ") == 4 and str(earlier.resolve()) in proc.stdout
+    assert cli_main(["evals", str(run_dir)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 20")]  # | <time> | ...
+    assert len(rows) == 3 and str(earlier.resolve()) in rows[2]
 
 
 def _check_auto_placement(report: dict, run_dir: Path) -> None:
