@@ -68,7 +68,7 @@ def _remove_if_empty(path: Path) -> None:
 
 
 def cmd_train(overrides: list[str], print_cfg: bool) -> int:
-    from embodied.checkpoint import load_checkpoint, resolve_checkpoint
+    from embodied.checkpoint import BEST, load_checkpoint, resolve_checkpoint
     from embodied.config import to_yaml
     from embodied.evaluate import record_videos, recording_seeds, write_eval
     from embodied.run_dirs import claim_dir, file_away_final_eval, index_evaluation, protocol_digest
@@ -108,8 +108,9 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
         file_away_final_eval(run_dir)  # a resumed run's earlier final evaluation is kept, not replaced
         table = write_eval(run_dir, summary)
         seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
-        index_evaluation(run_dir, run_dir, summary, "train", str(resolve_checkpoint(run_dir)),
-                         protocol_digest(cfg.eval, cfg.env, seeds))
+        evaluated = (run_dir / "checkpoints" / BEST if summary["evaluated"]["weights"] == "best"
+                     else resolve_checkpoint(run_dir))
+        index_evaluation(run_dir, run_dir, summary, "train", str(evaluated), protocol_digest(cfg.eval, cfg.env, seeds))
         policy = _policy_from_state(cfg, trainer.workers.obs_spec, trainer.workers.action_dim,
                                     trainer.workers.actor_state()["policy"])
     finally:
