@@ -7,6 +7,7 @@ Arguments after the subcommand are Hydra overrides, e.g.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -61,10 +62,15 @@ def config_from_saved(saved_yaml: str, overrides: list[str]):
     return validate(OmegaConf.merge(base, OmegaConf.from_dotlist(dotted)))
 
 
-def _remove_if_empty(path: Path) -> None:
-    """A command that failed before writing anything leaves no directory behind."""
-    if path.is_dir() and not any(path.iterdir()):
-        path.rmdir()
+@contextlib.contextmanager
+def _removed_if_failed_empty(path: Path):
+    """A command that fails before writing anything into ``path`` leaves no directory behind."""
+    try:
+        yield
+    except BaseException:
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        raise
 
 
 def cmd_train(overrides: list[str], print_cfg: bool) -> int:
@@ -98,11 +104,8 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
     if not resume:
         run_dir = claim_dir(cfg.runner.run_dir, Path("runs"), f"{cfg.env.task}-{cfg.policy.name}", "this training")
         cfg.runner.run_dir = str(run_dir)
-    try:
+    with _removed_if_failed_empty(run_dir):
         trainer = Trainer(cfg, run_dir, resume_from=resume_state, warm_start=warm)
-    except BaseException:
-        _remove_if_empty(run_dir)
-        raise
     try:
         summary = trainer.train()
         file_away_final_eval(run_dir)  # a resumed run's earlier final evaluation is kept, not replaced
@@ -198,11 +201,8 @@ def cmd_eval(overrides: list[str]) -> int:
         print(f"note: no checkpoint given: evaluating policy={cfg.policy.name} as initialised", file=sys.stderr)
     out_dir = _out_dir(cfg, path, "evals", f"{path.stem if path else 'untrained'}-{digest}")
     t0 = time.perf_counter()
-    try:
+    with _removed_if_failed_empty(out_dir):
         rows, videos, max_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)
-    except BaseException:
-        _remove_if_empty(out_dir)
-        raise
     summary = summarize(rows, cfg.env, cfg.eval.tasks)
     wall_s = time.perf_counter() - t0
     env_steps = max_steps * cfg.env.num_envs * math.ceil(len(seeds) / cfg.env.num_envs)  # padding included
@@ -276,11 +276,8 @@ def cmd_sft(overrides: list[str]) -> int:
     check_policy_config(cfg.policy, env_action_dim(cfg.env))
     run_dir = claim_dir(cfg.runner.run_dir, Path("runs"), f"sft-{cfg.env.task}-{cfg.policy.name}", "this SFT run")
     cfg.runner.run_dir = str(run_dir)
-    try:
+    with _removed_if_failed_empty(run_dir):
         stats = train_sft(cfg, run_dir)
-    except BaseException:
-        _remove_if_empty(run_dir)
-        raise
     seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
     rows, _, _ = _run_protocol(cfg, load_checkpoint(run_dir)["actor"], seeds)
     summary = summarize(rows, cfg.env, cfg.eval.tasks)

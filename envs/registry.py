@@ -117,8 +117,8 @@ def training_reset_seeds(env_cfg, run: RunSeeds, iteration: int, num_envs: int, 
     """The seed of each of ``num_envs`` envs reset for training at ``iteration``: env ``j`` starts
     episode slot ``j // group_size`` of the training-reset stream, so the envs of a GRPO group
     share an initial state and no two iterations share one (envs/seeds.py)."""
-    scheme, slots = seed_scheme(env_cfg), num_envs // group_size
-    return [scheme.train_seed(env_cfg, run.train_reset_seed(iteration, slots, j // group_size), j // group_size)
+    scheme, stream, slots = seed_scheme(env_cfg), run.train_resets, num_envs // group_size
+    return [scheme.train_seed(env_cfg, stream.seed(iteration * slots + j // group_size), j // group_size)
             for j in range(num_envs)]
 
 

@@ -155,6 +155,7 @@ class RunSeeds:
 
     @property
     def train_resets(self) -> EpisodeStream:
+        """Index ``iteration * slots + slot``: episode slot ``slot`` (of ``slots``) reset at ``iteration``."""
         return EpisodeStream.of(self.run_seed, Purpose.TRAIN_RESET)
 
     @property
@@ -164,10 +165,6 @@ class RunSeeds:
     @property
     def validation(self) -> EpisodeStream:
         return EpisodeStream.of(self.run_seed, Purpose.VALIDATION)
-
-    def train_reset_seed(self, iteration: int, slots: int, slot: int) -> int:
-        """The initial state of episode slot ``slot`` (of ``slots``) reset at ``iteration``."""
-        return self.train_resets.seed(iteration * slots + slot)
 
     def generator(self, purpose: Purpose, *key: int) -> int:
         return generator_seed(self.run_seed, purpose, *key)
