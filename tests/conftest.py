@@ -53,6 +53,15 @@ def small_config(*overrides: str):
     return compose([*SMALL_OVERRIDES, *overrides])
 
 
+def tb_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of every TensorBoard scalar ``tag`` a run wrote under ``run_dir/tb``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``embodied <args>`` in a fresh process, as a user would."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")

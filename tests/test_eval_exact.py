@@ -13,10 +13,10 @@ import time
 import torch
 
 from embodied.checkpoint import load_checkpoint
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, tb_scalars
 
 WARM_START = REPO / "assets" / "policies" / "pushcube_state_mlp.pt"  # pushes the cube: contacts from step one
-EPISODE_STEPS, ENVS = 20, 16
+EPISODE_STEPS, ENVS, RESUMED_ITERATIONS = 20, 16, 115
 STEPS_PER_ITERATION = EPISODE_STEPS * ENVS
 
 
@@ -42,7 +42,7 @@ def _kill_after_checkpoint(args: list[str], checkpoint) -> None:
 
 
 def test_killed_and_resumed_run_evaluates_as_a_fresh_eval_row_for_row(tmp_path):
-    """Train PushCube from a warm start (every env runs dozens of contact-rich episodes), SIGKILL it
+    """Train PushCube from a warm start (every env runs over a hundred contact-rich episodes), SIGKILL it
     after a checkpoint, resume it to the end, then evaluate its checkpoint again in fresh processes
     on another layout (one env worker of 8 envs in 2 processes instead of two of 8 in-process)."""
     run_dir = tmp_path / "run"
@@ -56,14 +56,18 @@ def test_killed_and_resumed_run_evaluates_as_a_fresh_eval_row_for_row(tmp_path):
     killed_at = load_checkpoint(run_dir)["progress"]
     for ckpt in (run_dir / "checkpoints").glob("ckpt_*.pt"):
         torch.load(ckpt, weights_only=False)  # every file on disk is complete
-    target = (killed_at["iteration"] + 30) * STEPS_PER_ITERATION
+    target = (killed_at["iteration"] + RESUMED_ITERATIONS) * STEPS_PER_ITERATION
     proc = run_cli("train", f"resume={run_dir}", f"runner.total_env_steps={target}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = load_checkpoint(run_dir)["progress"]
-    assert resumed["iteration"] == killed_at["iteration"] + 30 and resumed["env_steps"] == target
+    assert resumed["iteration"] == killed_at["iteration"] + RESUMED_ITERATIONS and resumed["env_steps"] == target
     assert resumed["train_seconds"] > killed_at["train_seconds"]
     trained = json.loads((run_dir / "eval.json").read_text())
     assert trained["success_once"] > 0  # the policy reaches the cube: its episodes have contacts
+    # the env workers that ran the final evaluation had first run thousands of training episodes
+    per_iteration = dict(tb_scalars(run_dir, "env/episodes"))  # env steps -> episodes ended (resumed run's last)
+    episodes = sum(n for step, n in per_iteration.items() if step > killed_at["env_steps"])
+    assert episodes >= 2000, episodes
 
     fresh_dir = tmp_path / "fresh"
     proc = run_cli("eval", f"checkpoint={run_dir}", "env.num_envs=8", "env.num_procs=2",

@@ -10,7 +10,7 @@ import torch
 from embodied.checkpoint import load_checkpoint
 from embodied.runner import Trainer
 from policies.registry import make_policy
-from tests.conftest import run_cli, small_config
+from tests.conftest import run_cli, small_config, tb_scalars
 
 SMALL = ["env.num_envs=4", "placement.env_workers=2", "algorithm.rollout_steps=10",
          "algorithm.update_epochs=2", "algorithm.num_minibatches=2", "runner.max_minutes=null",
@@ -210,14 +210,6 @@ def test_record_without_checkpoint_films_a_random_policy(tmp_path):
     assert not (frames[0] == frames[-1]).all()  # the random arm moved
 
 
-def _scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tb"))
-    events.Reload()
-    return [(e.step, e.value) for e in events.Scalars(tag)]
-
-
 def test_final_weights_best_evaluates_the_best_validation_not_the_last(ray_cluster, tmp_path):
     # short episodes and validations of 6 on 4 envs (a padded second round): the suite's time budget
     cfg = small_config(f"runner.run_dir={tmp_path}", "runner.total_env_steps=120", "runner.eval_every=1",
@@ -228,8 +220,8 @@ def test_final_weights_best_evaluates_the_best_validation_not_the_last(ray_clust
         evaluated = trainer.workers.actor.call("get_weights")[0]
     finally:
         trainer.close()
-    scores = _scalars(tmp_path, "eval/success_once")
-    assert [n for _, n in _scalars(tmp_path, "eval/episodes")] == [6, 6, 6]  # runner.validation_episodes
+    scores = tb_scalars(tmp_path, "eval/success_once")
+    assert [n for _, n in tb_scalars(tmp_path, "eval/episodes")] == [6, 6, 6]  # runner.validation_episodes
     assert len(scores) == 3  # one validation after each of the 3 iterations (40 env steps each)
     first_best = max(range(3), key=lambda i: (scores[i][1], -i))  # ties: the earliest
     assert summary["evaluated"] == {"weights": "best", "iteration": first_best + 1,
