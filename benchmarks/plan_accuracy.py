@@ -65,13 +65,16 @@ def run_workload(name: str, overrides: list[str], iterations: int) -> dict:
     import dataclasses
 
     from embodied.config import compose
-    from scheduler.auto import auto_placement, to_placement
+    from embodied.runner import STAGE_RUNNERS
+    from scheduler.auto import auto_placement
     from scheduler.cluster import cluster_devices, start_cluster
+    from scheduler.placement import to_placement
 
     cfg = compose([*COMMON, *overrides])
     start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
     devices = cluster_devices()
-    auto = auto_placement(cfg, len(devices.devices), devices.kind, log=lambda m: print(m, file=sys.stderr))
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    auto = auto_placement(cfg, len(devices.devices), devices.kind, STAGE_RUNNERS, log=log)
     measured = {}
     for pred in auto.choice.table:
         if not pred.feasible:
@@ -95,7 +98,8 @@ def grid_markdown(rows: list[dict]) -> str:
            "error | profiling (s) | of a 20-min run |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['name']} | {r['best_plan']} | {r['auto_plan']} | {r['auto_over_best']:.2f} | "
-                   f"{r['predicted_s']:.2f} | {r['measured_s']:.2f} | {100 * (r['predicted_over_measured'] - 1):+.0f}% | "
+                   f"{r['predicted_s']:.2f} | {r['measured_s']:.2f} | "
+                   f"{100 * (r['predicted_over_measured'] - 1):+.0f}% | "
                    f"{r['profile_seconds']:.0f} | {100 * r['profile_seconds'] / 1200:.1f}% |")
     good = sum(r["auto_over_best"] >= 0.95 for r in rows)
     close = sum(abs(r["predicted_over_measured"] - 1) <= 0.15 for r in rows)

@@ -94,8 +94,8 @@ def plot(rl_dir: Path, rows: dict[str, dict], rl_step: int, out: Path, algorithm
 
 
 def _smooth(points: list[tuple[int, float]], window: int = 5) -> list[tuple[int, float]]:
-    return [(points[i][0], sum(v for _, v in points[max(0, i - window + 1):i + 1]) / len(points[max(0, i - window + 1):i + 1]))
-            for i in range(len(points))]
+    windows = [points[max(0, i - window + 1):i + 1] for i in range(len(points))]
+    return [(points[i][0], sum(v for _, v in w) / len(w)) for i, w in enumerate(windows)]
 
 
 def evaluate(checkpoint: Path, out_dir: Path, sampled: bool, num_envs: int, episodes: int) -> tuple[dict, float]:
@@ -159,7 +159,8 @@ def main() -> None:
     gains = {p: paired_gain(summaries["sft"][p]["rows"], summaries["rl"][p]["rows"]) for p in ("greedy", "sampled")}
     total_s = time.perf_counter() - started + (sft_s if args.reuse_sft else 0.0)
     algorithm = str(OmegaConf.load(rl_dir / "config.yaml").algorithm.name).upper()
-    rl_step = rl_eval["training"]["env_steps"] * rl_eval["evaluated"]["iteration"] // max(rl_eval["training"]["iterations"], 1)
+    training = rl_eval["training"]
+    rl_step = training["env_steps"] * rl_eval["evaluated"]["iteration"] // max(training["iterations"], 1)
     png = plot(rl_dir, rows, rl_step, out / "learning_curve.png", algorithm)
     result = {
         "policy": args.policy, "rl_algorithm": algorithm, "eval_episodes": args.eval_episodes,

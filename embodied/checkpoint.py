@@ -1,7 +1,8 @@
 """Atomic checkpoints: a crash (even SIGKILL) mid-save never leaves a corrupt or missing one.
 
 Files: ``<run_dir>/checkpoints/ckpt_<iteration>.pt``, ``latest.json`` naming the
-newest and, with ``runner.eval_every``, ``best.pt`` (the best validation's weights). Each is written to a temporary file, fsynced, then renamed into place.
+newest and, with ``runner.eval_every``, ``best.pt`` (the best validation's weights). Each is written to a
+temporary file, fsynced, then renamed into place.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from embodied.errors import UserError
+from envs.common import UserError
 
 KEEP = 3  # older checkpoints are pruned after a newer one is safely written
 BEST = "best.pt"  # runner.final_weights=best: the best periodic validation's weights

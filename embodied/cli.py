@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import json
 import math
 import os
 import sys
@@ -15,7 +17,17 @@ import time
 import warnings
 from pathlib import Path
 
-from embodied.errors import UserError
+from omegaconf import OmegaConf
+
+from embodied.bench import BENCHES
+from embodied.config import CONFIG_DIR, compose, config_groups, to_yaml, unknown_group_option_error, validate
+from envs.common import UserError
+from envs.registry import check_env_config, env_action_dim, seed_scheme
+from envs.rendering import check_render, install_lavapipe
+from scheduler.cluster import cluster_devices, start_cluster
+from scheduler.cost_model import Network
+from scheduler.placement import to_placement
+from scheduler.planner import plan
 
 EXIT_USER_ERROR = 2
 EXIT_ENV_CRASH = 3
@@ -44,10 +56,6 @@ def config_from_saved(saved_yaml: str, overrides: list[str]):
     ``group=option`` replaces that section by ``configs/<group>/<option>.yaml``;
     ``a.b=value`` sets one key. Unknown keys are UserErrors, as for ``train``.
     """
-    from omegaconf import OmegaConf
-
-    from embodied.config import CONFIG_DIR, config_groups, unknown_group_option_error, validate
-
     base = OmegaConf.create(saved_yaml)
     groups = config_groups()
     dotted = []
@@ -75,11 +83,9 @@ def _removed_if_failed_empty(path: Path):
 
 def cmd_train(overrides: list[str], print_cfg: bool) -> int:
     from embodied.checkpoint import BEST, load_checkpoint, resolve_checkpoint
-    from embodied.config import to_yaml
     from embodied.evaluate import record_videos, recording_seeds, write_eval
     from embodied.run_dirs import claim_dir, file_away_final_eval, index_evaluation, protocol_digest
     from embodied.runner import Trainer
-    from envs.registry import seed_scheme
     from policies.registry import check_trainable
 
     resume, rest = _split(overrides, "resume")
@@ -141,7 +147,6 @@ def _policy_from_state(cfg, obs_spec, action_dim, weights):
 def _checkpointed(overrides: list[str]):
     """(config, checkpoint state or None, checkpoint path or None) for eval / record."""
     from embodied.checkpoint import load_checkpoint, resolve_checkpoint
-    from embodied.config import compose
 
     ckpt, rest = _split(overrides, "checkpoint")
     if ckpt is None:
@@ -178,7 +183,7 @@ def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[i
         if actor_state is not None:
             workers.load_actor_state(actor_state, weights_only=True)
         rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
-        return rows, videos, workers.max_episode_steps * workers.chunk_size
+        return rows, videos, workers.max_episode_steps * workers.layout.chunk_size
     finally:
         workers.shutdown()
 
@@ -188,7 +193,6 @@ def cmd_eval(overrides: list[str]) -> int:
     (``policy=random``: the random baseline). Writes eval.json, eval.md and videos/."""
     from embodied.evaluate import summarize, video_episodes, write_episode_video, write_eval
     from embodied.run_dirs import index_evaluation, protocol_digest, run_of_checkpoint
-    from envs.registry import check_env_config, seed_scheme
 
     cfg, state, path = _checkpointed(overrides)
     check_env_config(cfg.env)
@@ -241,7 +245,6 @@ def cmd_evals(overrides: list[str]) -> int:
 
 def cmd_record(overrides: list[str]) -> int:
     from embodied.evaluate import record_videos, recording_seeds
-    from envs.registry import check_env_config, env_action_dim
     from policies.registry import check_policy_config
 
     cfg, state, path = _checkpointed(overrides)
@@ -264,11 +267,9 @@ def cmd_record(overrides: list[str]) -> int:
 def cmd_sft(overrides: list[str]) -> int:
     """``embodied sft [overrides]``: warm-start a VLA on motion-planner demos, then evaluate it."""
     from embodied.checkpoint import load_checkpoint, resolve_checkpoint
-    from embodied.config import compose
     from embodied.evaluate import summarize, write_eval
     from embodied.run_dirs import claim_dir, index_evaluation, protocol_digest
     from embodied.sft import train_sft
-    from envs.registry import check_env_config, env_action_dim, seed_scheme
     from policies.registry import check_policy_config
 
     cfg = compose(overrides)
@@ -293,8 +294,6 @@ def cmd_sft(overrides: list[str]) -> int:
 
 
 def cmd_check_render() -> int:
-    from envs.rendering import check_render
-
     works, message = check_render()
     print(message)
     return 0 if works else 1
@@ -302,8 +301,6 @@ def cmd_check_render() -> int:
 
 def cmd_setup_render() -> int:
     """Make SAPIEN rendering work: nothing to do where a Vulkan driver works already."""
-    from envs.rendering import check_render, install_lavapipe
-
     works, message = check_render()
     if not works:
         print(f"No working Vulkan driver; installing lavapipe: {install_lavapipe(verbose=False)}")
@@ -314,10 +311,6 @@ def cmd_setup_render() -> int:
 
 def cmd_bench(overrides: list[str], as_json: bool, iterations: int) -> int:
     """``embodied bench <name> [overrides]``: print the table (or JSON); files go to bench/<name>-<time>/."""
-    import importlib
-    import json
-
-    from embodied.bench import BENCHES
     from embodied.run_dirs import make_unique_dir, stamp
 
     if not overrides:
@@ -336,12 +329,8 @@ def cmd_plan(overrides: list[str], devices: int | None, profile_path: str | None
     (``--profile`` or the cache; measured now if neither has it), for this machine's devices or
     ``--devices N`` (what-if: size a cluster from a profile taken on one machine), on nodes of
     ``--devices-per-node`` devices joined by ``--network-gbps`` links."""
-    import json
-
-    from embodied.config import compose
-    from scheduler.auto import profile_sizes, to_placement, workload_of
-    from scheduler.cost_model import Network
-    from scheduler.planner import plan
+    from embodied.runner import STAGE_RUNNERS
+    from scheduler.auto import profile_sizes, workload_of
     from scheduler.profiler import cached_profile, load
 
     if (devices_per_node is not None and devices_per_node < 1) or network_gbps <= 0:
@@ -355,13 +344,12 @@ def cmd_plan(overrides: list[str], devices: int | None, profile_path: str | None
                             f"`placement.mode=auto` runs under placement.profile_dir ({cfg.placement.profile_dir}).")
         profile, source = load(Path(profile_path)), Path(profile_path)
     else:
-        from scheduler.cluster import cluster_devices, start_cluster
-
         start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
         here = cluster_devices()
         devices = devices or len(here.devices)
         profile, source, _ = cached_profile(cfg, profile_sizes(cfg.env.num_envs), len(here.devices),
-                                            Path(cfg.placement.profile_dir), log=lambda m: print(m, file=sys.stderr))
+                                            Path(cfg.placement.profile_dir), STAGE_RUNNERS,
+                                            log=lambda m: print(m, file=sys.stderr))
     devices = devices or 1
     choice = plan(profile, workload_of(cfg, profile), devices, offload=profile.device_kind == "gpu", network=network)
     nodes = -(-devices // devices_per_node) if devices_per_node else 1
@@ -369,7 +357,8 @@ def cmd_plan(overrides: list[str], devices: int | None, profile_path: str | None
         print(json.dumps({"profile": str(source), "devices": devices, "nodes": nodes,
                           "best": choice.best and choice.best.candidate.name(),
                           "candidates": [{"plan": p.candidate.name(), "predicted_s": p.iteration_s,
-                                          "feasible": p.feasible, "why": p.infeasible} for p in choice.table]}, indent=2))
+                                          "feasible": p.feasible, "why": p.infeasible} for p in choice.table]},
+                         indent=2))
         return 0
     where = f" on {nodes} nodes ({network.gbps:g} Gb/s links)" if nodes > 1 else ""
     print(f"profile: {source}; {devices} device(s){where}; {cfg.env.num_envs} envs\n")
@@ -392,8 +381,9 @@ def _explain(err: BaseException) -> tuple[str, int] | None:
             err = err.cause
         if isinstance(err, ActorDiedError) and "creation task" in str(err):
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-            return (f"A worker failed to start: {lines[-1]}\nCheck the env on its own (`embodied check-render`, "
-                    "or build it with `embodied record` and the same overrides); the traceback is above."), EXIT_ENV_CRASH
+            message = (f"A worker failed to start: {lines[-1]}\nCheck the env on its own (`embodied check-render`, "
+                       "or build it with `embodied record` and the same overrides); the traceback is above.")
+            return message, EXIT_ENV_CRASH
     except ImportError:
         pass
     if isinstance(err, UserError):

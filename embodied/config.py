@@ -1,8 +1,11 @@
 """The configuration schema: every key a run reads, with its meaning and default.
 
-Hydra composes ``configs/train.yaml`` and its groups; the result is merged into
-these dataclasses, so a misspelled key is an error naming the key and the
-nearest valid one, never a silently ignored setting.
+The defaults here are the default run's (``embodied train``: PPO on ManiSkill3 PushCube-v1 from
+state), and this is the one place they are written. Hydra composes ``configs/train.yaml`` and
+its groups, whose files hold only how an option differs from these defaults
+(``tests/test_config.py`` checks it); the result is merged into these dataclasses, so a
+misspelled key is an error naming the key and the nearest valid one, never a silently ignored
+setting.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from embodied.errors import UserError, unknown_name_error
+from envs.common import UserError, unknown_name_error
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -28,7 +31,7 @@ class EnvConfig:
     control_mode: str = "pd_joint_delta_pos"
     reward_mode: str = "normalized_dense"
     max_episode_steps: int | None = None  # None: the task's own limit
-    num_envs: int = 64  # parallel envs in total (split over placement.env_workers)
+    num_envs: int = 128  # parallel envs in total (split over placement.env_workers)
     num_procs: int = 0  # sim processes per env worker; 0 = step in the worker itself
     sim_backend: str = "auto"  # "physx_cpu" | "physx_cuda" | "auto" (cuda if available)
     image_size: int = 128  # camera resolution for obs_mode=rgb
@@ -58,7 +61,7 @@ class PolicyConfig:
     unnorm_key: str | None = None  # OpenVLA checkpoints: whose norm_stats un-normalise actions (optional if one)
     backend: str = "hf"  # VLA rollout generation: hf (transformers, KV cache) or vllm (GPU, Qwen-VL only)
     proprio: bool = False  # openvla_oft: feed the env's `state` (proprioception) as one more input token
-    cameras: list[str] = field(default_factory=lambda: ["rgb"])  # VLAs: image observations fed in order (OFT: + wrist_rgb)
+    cameras: list[str] = field(default_factory=lambda: ["rgb"])  # VLAs: images fed in order (OFT: + wrist_rgb)
     stop_token: bool = True  # openvla_oft: a STOP token after the action placeholders (OFT, SimpleVLA-RL; RLinf: false)
     # VLAs: how the checkpoint family wants inputs and actions (policies/vla/adapters.py; each published
     # family's values: docs/vla_checkpoints.md and its configs/policy/*.yaml)
@@ -79,9 +82,9 @@ class AlgorithmConfig:
     gae_lambda: float = 0.9
     # decisions per env per iteration (env steps; action chunks of chunk_size steps for chunked VLAs);
     # None: one episode, the env's max_episode_steps
-    rollout_steps: int | None = 50
-    update_epochs: int = 4
-    num_minibatches: int = 8
+    rollout_steps: int | None = 25
+    update_epochs: int = 8
+    num_minibatches: int = 16
     clip_coef: float = 0.2
     clip_coef_high: float | None = None  # upper ratio clip 1 + this (asymmetric, "clip-higher"); None: clip_coef
     clip_vloss: bool = False
@@ -185,16 +188,16 @@ class SFTConfig:
 @dataclass
 class RunnerConfig:
     total_env_steps: int = 1_000_000
-    max_minutes: float | None = None  # stop training after this wall-clock budget
+    max_minutes: float | None = 28  # stop training after this wall-clock budget (None: no limit)
     # iterations between validation evaluations on episodes of their own seed stream, never the
     # final evaluation's or training's (envs/seeds.py; 0: only the final evaluation)
-    eval_every: int = 0
+    eval_every: int = 10
     validation_episodes: int | None = None  # episodes of each periodic evaluation (None: env.num_envs)
     # the weights train evaluates and records at its end: "last" (the final ones) or "best" (those
     # of the best periodic validation, kept as checkpoints/best.pt; needs eval_every > 0). RL on a
     # warm-started policy can peak mid-run: "best" picks the peak on seeds the final eval never sees
     final_weights: str = "last"
-    stop_at_success: float | None = None  # stop once periodic evaluations reach this success_once ...
+    stop_at_success: float | None = 0.98  # stop once periodic evaluations reach this success_once (None: never) ...
     stop_patience: int = 2  # ... this many times in a row (PPO oscillates: one lucky eval is not enough)
     checkpoint_every: int = 10  # iterations between checkpoints
     seed: int = 1  # every random stream of the run derives from it and its purpose (envs/seeds.py)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from embodied.checkpoint import atomic_write
-from envs.registry import seed_scheme
+from envs.registry import make_vec_env, seed_scheme
 from envs.seeds import episode_noise_seed
 from envs.video import VideoRecorder
 
@@ -53,7 +53,8 @@ def paired_gain(before: list[dict], after: list[dict], key: str = "success_once"
     second = {r["seed"]: float(r[key]) for r in after}
     if set(first) != set(second) or not first:
         raise ValueError(f"paired_gain needs the same non-empty seeds on both sides; {len(set(first) ^ set(second))} "
-                         "seeds are in only one of them. Evaluate both checkpoints with the same eval.seed and eval.episodes.")
+                         "seeds are in only one of them. Evaluate both checkpoints with the same eval.seed and "
+                         "eval.episodes.")
     diffs = [second[s] - first[s] for s in first]
     n = len(diffs)
     mean = sum(diffs) / n
@@ -181,7 +182,6 @@ def record_videos(policy, env_cfg, seeds: list[int], out_dir: Path, deterministi
 
     One mp4 per episode, ``<out_dir>/episode_<k>_seed_<s>.mp4``, rendered in this process.
     """
-    from envs.registry import make_vec_env
     from policies.registry import make_policy
 
     env = make_vec_env(env_cfg, num_envs=1, num_procs=0)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from embodied.checkpoint import atomic_write
-from embodied.errors import UserError
+from envs.common import UserError
 
 # what marks a directory as holding a run or a command's results
 RESULT_FILES = ("config.yaml", "eval.json", "checkpoints", "results.json")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 
 class RunLogger:
     """TensorBoard scalars under ``<run_dir>/tb`` (namespaces env/, train/, time/, eval/)
@@ -12,7 +14,6 @@ class RunLogger:
 
     def __init__(self, run_dir: Path, total_steps: int, initial_steps: int = 0, progress: bool = True):
         from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
 
         self.writer = SummaryWriter(str(run_dir / "tb"))
         self.bar = tqdm(total=total_steps, initial=initial_steps, unit="step", unit_scale=True,

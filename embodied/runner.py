@@ -8,20 +8,27 @@ the actor -> PPO update -> logging, checkpoint, evaluation.
 from __future__ import annotations
 
 import math
+import statistics
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from tqdm import tqdm
 
 from embodied.algorithms.advantages import ADVANTAGES, GRPO_WEIGHTINGS, OUTCOME_ADVANTAGES
 from embodied.algorithms.logprob_levels import LOGPROB_LEVELS
 from embodied.algorithms.losses import LOSSES
+from embodied.algorithms.ppo import ppo_update
 from embodied.checkpoint import BEST, load_checkpoint, save_best_checkpoint, save_checkpoint
 from embodied.config import TrainConfig, to_yaml
-from embodied.errors import UserError, unknown_name_error
 from embodied.evaluate import summarize
+from embodied.run_logger import RunLogger
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
 from embodied.workers.rollout_worker import BOOTSTRAP_MASKS, RolloutWorker
+from envs.common import UserError, unknown_name_error
+from envs.messages import EnvSpec
 from envs.registry import (
     check_env_config,
     env_action_dim,
@@ -36,7 +43,9 @@ from scheduler.auto import AutoPlan, auto_placement
 from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.context_switch import ContextSwitcher
+from scheduler.layout import BatchLayout
 from scheduler.placement import check_placement, make_plan
+from scheduler.profiler import StageRunners
 from scheduler.worker import WorkerGroup, wait_ready
 
 
@@ -75,23 +84,21 @@ class Workers:
         devices = cluster_devices()
         self.auto: AutoPlan | None = None
         if cfg.placement.mode == "auto":  # profile (or read the cache), plan, and run the best plan
-            self.auto = auto_placement(cfg, len(devices.devices), devices.kind)
+            self.auto = auto_placement(cfg, len(devices.devices), devices.kind, STAGE_RUNNERS)
             cfg.placement = self.auto.placement
         self.plan = plan = make_plan(cfg.placement, devices, num_envs=cfg.env.num_envs)
-        threads, stages = cfg.placement.torch_threads, plan.pipeline_stages
-        self.envs_per_worker = cfg.env.num_envs // cfg.placement.env_workers
-        self.env = WorkerGroup(EnvWorker, "env", plan, threads, env_cfg=cfg.env,
-                               num_envs=self.envs_per_worker, stages=stages, action_chunk=cfg.policy.chunk_size)
-        spec = self.env.call("spec")[0]
-        self.obs_spec, self.action_dim = spec["obs_spec"], spec["action_dim"]
+        threads = cfg.placement.torch_threads
         # with action chunks a step is a decision: chunk_size simulator steps
-        self.max_episode_steps, self.chunk_size = spec["max_episode_steps"], cfg.policy.chunk_size
+        self.layout = BatchLayout(cfg.env.num_envs, cfg.placement.env_workers, plan.pipeline_stages,
+                                  cfg.policy.chunk_size)
+        self.env = WorkerGroup(EnvWorker, "env", plan, threads, env_cfg=cfg.env, layout=self.layout)
+        spec: EnvSpec = self.env.call("spec")[0]
+        self.obs_spec, self.action_dim, self.max_episode_steps = spec.obs_spec, spec.action_dim, spec.max_episode_steps
         self.steps_per_rollout = cfg.algorithm.rollout_steps or self.max_episode_steps
         _check_episode_fits(cfg, self.steps_per_rollout, self.max_episode_steps)
         common = dict(policy_cfg=cfg.policy, algorithm_cfg=cfg.algorithm,
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
-        self.rollout = WorkerGroup(RolloutWorker, "rollout", plan, threads, num_env_workers=len(self.env),
-                                   envs_per_worker=self.envs_per_worker, stages=stages,
+        self.rollout = WorkerGroup(RolloutWorker, "rollout", plan, threads, layout=self.layout,
                                    seed=cfg.runner.seed, wait=False, **common)
         self.actor = WorkerGroup(ActorWorker, "actor", plan, threads, seed=cfg.runner.seed,
                                  update_threads=cfg.placement.actor_threads, wait=False, **common)
@@ -198,12 +205,11 @@ class Workers:
         into the run. Env ``j`` of the whole batch starts episode slot ``j // group_size`` (the
         envs of a GRPO group share an initial state) of the training-reset stream; the episodes
         that envs start by themselves draw from the auto-reset stream (envs/seeds.py)."""
-        run = RunSeeds(self.cfg.runner.seed)
-        num_envs, per_rank = self.envs_per_worker * len(self.env), self.envs_per_worker
-        seeds = training_reset_seeds(self.cfg.env, run, iteration, num_envs, group_size)
-        auto = AutoResets(run.auto_resets, 0, num_envs, sim_steps)
-        self.env.call("reset", per_rank_args=[(seeds[r * per_rank:(r + 1) * per_rank], auto.shifted(r * per_rank))
-                                              for r in range(len(self.env))])
+        run, layout = RunSeeds(self.cfg.runner.seed), self.layout
+        seeds = training_reset_seeds(self.cfg.env, run, iteration, layout.num_envs, group_size)
+        auto = AutoResets(run.auto_resets, 0, layout.num_envs, sim_steps)
+        self.env.call("reset", per_rank_args=[(rank_seeds, auto.shifted(layout.rank_slice(r).start))
+                                              for r, rank_seeds in enumerate(layout.per_rank(seeds))])
 
     def evaluate(self, seeds: list[int], deterministic: bool, record: set[int] | frozenset = frozenset(),
                  progress: bool = False) -> tuple[list[dict], dict]:
@@ -216,28 +222,20 @@ class Workers:
         and the frames of the episodes whose index is in ``record``. ``progress``: a bar
         over episodes on stderr.
         """
-        import sys
-
         import ray
-        from tqdm import tqdm
 
         self.prepare_generation()  # evaluate the actor's current policy, not the last one rolled out
-        num_envs, per_rank = self.envs_per_worker * len(self.env), self.envs_per_worker
-        rounds = math.ceil(len(seeds) / num_envs)
+        layout = self.layout
         rows: list[dict] = []
         videos: dict = {}
         bar = tqdm(total=len(seeds), unit="episode", desc="eval", disable=not progress, file=sys.stderr,
                    dynamic_ncols=True)
-        for k in range(rounds):
-            ids = [j * rounds + k for j in range(num_envs)]  # env j: episodes j*rounds ... (j+1)*rounds - 1
-            ids = [i if i < len(seeds) else -1 for i in ids]
+        for ids in layout.evaluation_rounds(len(seeds)):
             batch = [seeds[i] if i >= 0 else seeds[-1] for i in ids]
-            args = [(batch[r * per_rank:(r + 1) * per_rank], ids[r * per_rank:(r + 1) * per_rank],
-                     [i in record for i in ids[r * per_rank:(r + 1) * per_rank]], self.channel,
-                     self.cfg.eval.reconfigure)
-                    for r in range(len(self.env))]
+            args = [(rank_seeds, rank_ids, [i in record for i in rank_ids], self.channel, self.cfg.eval.reconfigure)
+                    for rank_seeds, rank_ids in zip(layout.per_rank(batch), layout.per_rank(ids), strict=True)]
             env_refs = self.env.call_async("evaluate", per_rank_args=args)
-            by_rank = {r: batch[r * per_rank:(r + 1) * per_rank] for r in range(len(self.env))}
+            by_rank = dict(enumerate(layout.per_rank(batch)))
             serve = self.rollout.call_async("serve_eval", self.max_episode_steps, self.channel, deterministic, by_rank)
             for part in ray.get(env_refs):
                 rows += part["rows"]
@@ -254,6 +252,9 @@ class Workers:
             pass  # a crashed env worker has nothing left to close
         for group in (self.env, self.rollout, self.actor):
             group.shutdown()
+
+
+STAGE_RUNNERS = StageRunners(start_workers=Workers, update=ppo_update)  # what placement.mode=auto profiles
 
 
 def _check_groups(cfg: TrainConfig) -> None:
@@ -316,8 +317,6 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, resume_from: dict | None = None,
                  warm_start: dict | None = None):
-        from embodied.run_logger import RunLogger
-
         self.cfg = cfg
         self.run_dir = run_dir
         self.progress = Progress(**resume_from["progress"]) if resume_from else Progress()
@@ -330,7 +329,7 @@ class Trainer:
             if warm_start:
                 self.workers.load_actor_state(warm_start["actor"], weights_only=True)
             self.workers.actor.call("freeze_reference")  # algorithm.kl_coef's reference: the starting weights
-        self.steps_per_iteration = self.workers.steps_per_rollout * self.workers.chunk_size * cfg.env.num_envs
+        self.steps_per_iteration = self.workers.layout.env_steps(self.workers.steps_per_rollout)
         # GRPO: every iteration starts fresh episodes, a group's envs from one initial state
         self.episodic = cfg.algorithm.advantage in OUTCOME_ADVANTAGES
         self.total_iterations = math.ceil(cfg.runner.total_env_steps / self.steps_per_iteration)
@@ -343,8 +342,6 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------
     def _state(self) -> dict:
-        from dataclasses import asdict
-
         return {
             "actor": self.workers.actor_state(),
             "progress": asdict(self.progress),
@@ -493,8 +490,6 @@ class Trainer:
         """The auto plan's predicted iteration time against the measured one (the median
         iteration after the first, which pays one-time start-up costs), and what profiling
         added to the run (``profile_share``: of profiling plus training time)."""
-        import statistics
-
         auto = self.workers.auto
         steady = self.iteration_seconds[1:] or self.iteration_seconds
         measured = statistics.median(steady) if steady else None

@@ -16,12 +16,14 @@ import torch
 
 from embodied.checkpoint import save_checkpoint
 from embodied.config import TrainConfig, to_yaml
-from embodied.errors import UserError
+from embodied.run_logger import RunLogger
 from embodied.runner import Progress
+from envs.common import UserError
 from envs.demos import Demos, generate_demos
 from envs.registry import env_action_dim
 from envs.seeds import Purpose, RunSeeds
-from policies.registry import POLICIES, check_policy_config, make_policy
+from policies.base import POLICIES
+from policies.registry import check_policy_config, make_policy
 from policies.vla.action_tokenizer import ActionStats
 
 
@@ -66,10 +68,8 @@ def sft_step(policy, optimizer, obs: dict, actions: torch.Tensor) -> dict[str, f
 
 def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
     """Warm-start ``cfg.policy`` on demos of ``cfg.env.task``; returns the last epoch's statistics."""
-    from embodied.run_logger import RunLogger
-
     check_policy_config(cfg.policy, env_action_dim(cfg.env))
-    if not hasattr(POLICIES.get(cfg.policy.name), "bin_distributions"):
+    if not POLICIES.get(cfg.policy.name).token_actions:
         raise UserError(f"embodied sft trains token policies (VLAs): policy={cfg.policy.name} has no action "
                         "tokens. Use policy=openvla_tiny or policy=qwen_vl_tiny (or a real VLA config).")
     demos = demos_for(cfg, cfg.runner.progress)

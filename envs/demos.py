@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from embodied.registry import Registry
+from envs.common import Registry
 from envs.maniskill import (
     ManiSkillSpec,
     as_obs_dict,
@@ -29,6 +31,7 @@ from envs.maniskill import (
     instruction_for,
     make_gym_env,
 )
+from envs.rendering import ensure_vulkan_icd
 
 DELTA_SCALE = 0.1  # pd_joint_delta_pos: one unit of action moves a joint target by 0.1 rad
 # task -> "module:function" of its planner solution in mani_skill.examples.motionplanning.panda.solutions
@@ -100,12 +103,6 @@ class _Recorder:
 def generate_demos(env_cfg, episodes: int, seed: int, progress: bool = True) -> Demos:
     """Run the task's motion planner from seeds ``seed, seed + 1, ...`` until ``episodes``
     successful demos are recorded (failed plans are skipped, at most ``2 * episodes`` tries)."""
-    import sys
-
-    from tqdm import tqdm
-
-    from envs.rendering import ensure_vulkan_icd
-
     ensure_vulkan_icd()
     solve = _planner(env_cfg.task)
     spec = ManiSkillSpec(env_cfg.task, env_cfg.obs_mode, "pd_joint_pos", env_cfg.reward_mode,

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from envs.base import encode_instruction
+from envs.common import UserError, unknown_name_error
 from envs.registry import SeedScheme, register_env
 from envs.subproc import SubprocVecEnv
 
@@ -241,8 +242,6 @@ class LiberoSeeds(SeedScheme):
 
 def _task_subset(tasks, suite: str) -> list[int]:
     """``eval.tasks`` sorted and deduplicated; an index outside the suite is a UserError."""
-    from embodied.errors import UserError
-
     num_tasks = len(init_state_counts(suite))
     outside = [t for t in tasks if not 0 <= t < num_tasks]
     if outside or not tasks:
@@ -252,8 +251,6 @@ def _task_subset(tasks, suite: str) -> list[int]:
 
 
 def validate_libero(cfg) -> None:
-    from embodied.errors import UserError, unknown_name_error
-
     if cfg.task not in SUITES:
         raise unknown_name_error("LIBERO suite (env.task)", cfg.task, list(SUITES))
     if cfg.obs_mode not in OBS_MODES:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from envs.base import EpisodeTracker, Obs, StepResult, encode_instruction
+from envs.common import UserError, unknown_name_error
 from envs.registry import register_env
 from envs.rendering import ensure_vulkan_icd
 from envs.subproc import SubprocVecEnv
@@ -260,8 +261,6 @@ class ManiSkillGPUVecEnv:
 
 
 def validate_maniskill(cfg) -> None:
-    from embodied.errors import UserError, unknown_name_error
-
     if cfg.task not in known_tasks():
         raise unknown_name_error("ManiSkill task (env.task)", cfg.task, known_tasks())
     if cfg.obs_mode not in ("state", "rgb"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from embodied.registry import Registry
+from envs.common import Registry, UserError
 from envs.seeds import PROTOCOL_LIMIT, RunSeeds
 
 ENV_BACKENDS: dict[str, Callable] = {}
@@ -33,8 +33,6 @@ class SeedScheme:
 
     def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
         """The evaluation protocol's episodes, each run exactly once, in order."""
-        from embodied.errors import UserError
-
         if eval_cfg.tasks is not None:
             raise UserError(f"eval.tasks={list(eval_cfg.tasks)} picks tasks of a suite, but env.task="
                             f"{env_cfg.task!r} is a single task: leave eval.tasks null (eval.episodes "
@@ -42,7 +40,8 @@ class SeedScheme:
         if not 0 <= eval_cfg.seed <= PROTOCOL_LIMIT - eval_cfg.episodes:
             raise UserError(f"eval.seed={eval_cfg.seed} with eval.episodes={eval_cfg.episodes} leaves the "
                             f"seeds [0, 2^31) that evaluations own (above them are training's and "
-                            f"validation's, envs/seeds.py): pick an eval.seed in [0, {PROTOCOL_LIMIT - eval_cfg.episodes}].")
+                            "validation's, envs/seeds.py): pick an eval.seed in "
+                            f"[0, {PROTOCOL_LIMIT - eval_cfg.episodes}].")
         return [eval_cfg.seed + k for k in range(eval_cfg.episodes)]
 
     def task_of(self, env_cfg, seed: int) -> tuple[int, str]:

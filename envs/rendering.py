@@ -136,4 +136,5 @@ def check_render(timeout_s: float = 180.0) -> tuple[bool, str]:
     _, h, w, std = frame[0].split()
     if float(std) == 0.0:
         return False, f"Rendering ran but produced a blank {h}x{w} frame (Vulkan ICD: {driver}). {fix}"
-    return True, f"Rendering works: a {h}x{w} camera frame rendered (pixel std {float(std):.1f}) with Vulkan ICD {driver}."
+    return True, (f"Rendering works: a {h}x{w} camera frame rendered (pixel std {float(std):.1f}) with Vulkan "
+                  f"ICD {driver}.")

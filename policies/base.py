@@ -1,8 +1,8 @@
-"""The policy protocol: a Gaussian actor-critic on a dict of batched observations.
+"""The Policy protocol every registered policy follows, and the pieces small policies share.
 
-``act(obs, noise=None)`` -> ``(actions[B, A], log_prob[B], value[B])``
-``evaluate(obs, actions[B, A])`` -> ``(log_prob[B], entropy[B], value[B])``
-``value(obs)`` -> ``value[B]``
+A policy is an ``nn.Module`` built as ``cls(policy_cfg, obs_spec, action_dim)`` and registered
+with ``@POLICIES.register(name)`` (``policies/registry.py`` builds it by name). Observations
+are dicts of batched tensors (``obs_spec``: name -> (shape without the batch, dtype)).
 """
 
 from __future__ import annotations
@@ -12,6 +12,61 @@ import math
 import torch
 from torch import nn
 from torch.distributions import Normal
+
+from envs.common import Registry, unknown_name_error
+
+POLICIES = Registry("policy (policy.name / policy=...)")
+
+
+class Policy(nn.Module):
+    """What the workers call on a policy (as ``envs/base.py``'s ``VecEnv`` is what they call on
+    an env). ``B`` is the batch, ``A`` the action size (``A = chunk_size * action_dim`` for a
+    chunking policy, whose env steps each chunk in turn).
+
+    - ``act(obs, deterministic=False, noise=None)`` -> ``(actions [B, A], log_prob [B],
+      value [B])``, without gradients. ``noise [B, noise_dim]`` is the sample's randomness
+      (standard normal, or uniform for token policies), so a caller makes sampling independent
+      of how a batch is split; None draws it.
+    - ``evaluate(obs, actions [B, A])`` -> ``(log_prob [B], entropy [B], value [B])`` with
+      gradients (what PPO trains on).
+    - ``value(obs)`` -> ``[B]``.
+    - ``to_env(actions [B, A])`` -> what the env is sent (a clipped box, un-normalised bins, a
+      family's gripper steps).
+    - ``weights_updated()``: called by the rollout worker after each weight sync.
+
+    What the trainer reads off the class, instead of probing with ``hasattr``:
+    """
+
+    chunks: bool = False  # can act in chunks (policy.chunk_size > 1)
+    trainable: bool = True  # False: a baseline for `embodied eval` only (policy=random)
+    token_actions: bool = False  # emits action tokens: `embodied sft` can train it (bin_distributions)
+    critic_modules: tuple[str, ...] = ("critic",)  # the value function's own modules (critic warm-up)
+    noise_dim: int  # randomness per sample that act() consumes
+
+    @staticmethod
+    def check_config(cfg, action_dim: int | None) -> None:
+        """Raise a UserError for what is wrong with ``cfg`` before any worker starts (a checkpoint's
+        missing files, statistics of another action size); ``action_dim`` is the env's, or None."""
+
+    @staticmethod
+    def untrainable_reason(cfg) -> str | None:
+        """Why ``embodied train`` cannot train this config (one paragraph), or None."""
+        return None
+
+    def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False, noise: torch.Tensor | None = None):
+        raise NotImplementedError
+
+    def evaluate(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
+        raise NotImplementedError
+
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
+        return actions
+
+    def weights_updated(self) -> None:
+        """Nothing to refresh by default (a vLLM engine reloads its weights here)."""
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
 
@@ -80,8 +135,6 @@ def layer_init(layer: nn.Linear | nn.Conv2d, gain: float = math.sqrt(2)) -> nn.M
 def mlp(sizes: list[int], activation: str, out_gain: float | None = None) -> nn.Sequential:
     """Linear layers of ``sizes`` with activations between; last layer gets ``out_gain``."""
     if activation not in ACTIVATIONS:
-        from embodied.errors import unknown_name_error
-
         raise unknown_name_error("activation (policy.activation)", activation, list(ACTIVATIONS))
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
@@ -105,11 +158,8 @@ def vector_obs(obs: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([obs[k].float() for k in VECTOR_KEYS if k in obs], dim=-1)
 
 
-class GaussianActorCritic(nn.Module):
-    """Base class: subclasses define ``actor_mean(obs)`` and ``value(obs)``."""
-
-    chunks = False  # one action per decision (policy.chunk_size must be 1)
-    critic_modules: tuple[str, ...] = ("critic",)  # the value function's own modules (critic warm-up trains only these)
+class GaussianActorCritic(Policy):
+    """A Gaussian actor-critic: subclasses define ``actor_mean(obs)`` and ``value(obs)``."""
 
     def __init__(self, action_dim: int, log_std_init: float):
         super().__init__()
@@ -145,9 +195,6 @@ class GaussianActorCritic(nn.Module):
         else:
             actions = mean + std * (torch.randn_like(mean) if noise is None else noise.to(mean.device))
         return actions, Normal(mean, std).log_prob(actions).sum(-1), value
-
-    def weights_updated(self) -> None:
-        """Called by the rollout worker after a weight sync (nothing to do here)."""
 
     def to_env(self, actions: torch.Tensor) -> torch.Tensor:
         """The env's action for a sample: clipped to the [-1, 1] box (the unclipped one is scored)."""

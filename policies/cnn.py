@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from envs.common import UserError
 from policies.base import (
+    POLICIES,
     Conv2d,
     GaussianActorCritic,
     Linear,
@@ -15,7 +17,6 @@ from policies.base import (
     vector_dim,
     vector_obs,
 )
-from policies.registry import POLICIES
 
 
 class ConvEncoder(nn.Module):
@@ -47,8 +48,6 @@ class CNNActorCritic(GaussianActorCritic):
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__(action_dim, cfg.log_std_init)
         if "rgb" not in obs_spec:
-            from embodied.errors import UserError
-
             raise UserError("policy=cnn needs image observations: use an env with obs_mode: rgb "
                             "(e.g. env=maniskill_pushcube_rgb), or policy=mlp for state observations.")
         h, w, c = obs_spec["rgb"][0]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from policies.base import GaussianActorCritic, mlp, vector_dim, vector_obs
-from policies.registry import POLICIES
+from policies.base import POLICIES, GaussianActorCritic, mlp, vector_dim, vector_obs
 
 
 @POLICIES.register("mlp")

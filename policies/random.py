@@ -7,8 +7,7 @@ import math
 
 import torch
 
-from policies.base import GaussianActorCritic
-from policies.registry import POLICIES
+from policies.base import POLICIES, GaussianActorCritic
 
 
 @POLICIES.register("random")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from embodied.registry import Registry
-
-POLICIES = Registry("policy (policy.name / policy=...)")
+from envs.common import UserError
+from policies.base import POLICIES
 
 
 def _import_policies() -> None:
@@ -29,8 +28,6 @@ def check_policy_config(policy_cfg, action_dim: int | None = None) -> None:
     ``action_dim``: the env's, where known without building it (``envs.registry.env_action_dim``)."""
     check_policy_name(policy_cfg.name)
     if policy_cfg.chunk_size < 1 or (policy_cfg.chunk_size > 1 and not POLICIES.get(policy_cfg.name).chunks):
-        from embodied.errors import UserError
-
         raise UserError(f"policy.chunk_size={policy_cfg.chunk_size} is not possible for policy={policy_cfg.name}: "
                         "action chunks (chunk_size > 1) are for VLA policies (openvla, openvla_oft, qwen_vl); "
                         "others take chunk_size=1.")
@@ -38,9 +35,7 @@ def check_policy_config(policy_cfg, action_dim: int | None = None) -> None:
         from policies.vla.policy import require_model_dir
 
         require_model_dir(policy_cfg.model_path, "the model")
-    check = getattr(POLICIES.get(policy_cfg.name), "check_config", None)
-    if check is not None:
-        check(policy_cfg, action_dim)
+    POLICIES.get(policy_cfg.name).check_config(policy_cfg, action_dim)
 
 
 def make_policy(policy_cfg, obs_spec: dict, action_dim: int):
@@ -52,14 +47,12 @@ def make_policy(policy_cfg, obs_spec: dict, action_dim: int):
 def check_trainable(policy_cfg) -> None:
     """Raise a UserError if the policy cannot be trained: ``policy=random``, or a checkpoint whose
     policy class says why not (``untrainable_reason(cfg)``: OFT's L1-regression checkpoints)."""
-    from embodied.errors import UserError
-
     name = policy_cfg.name
     check_policy_name(name)
     cls = POLICIES.get(name)
-    if not getattr(cls, "trainable", True):
+    if not cls.trainable:
         raise UserError(f"policy={name} has nothing to train: it is a baseline for `embodied eval` "
                         "(e.g. `embodied eval env=libero_spatial policy=random`). Train policy=mlp or policy=cnn.")
-    reason = getattr(cls, "untrainable_reason", lambda cfg: None)(policy_cfg)
+    reason = cls.untrainable_reason(policy_cfg)
     if reason:
         raise UserError(reason)

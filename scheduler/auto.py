@@ -8,15 +8,15 @@ prediction against the measured iteration time.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from embodied.errors import UserError
-from scheduler.cost_model import Candidate, Profile, Workload
+from envs.common import UserError
+from scheduler.cost_model import Profile, Workload
+from scheduler.placement import to_placement
 from scheduler.planner import PlanChoice, plan
-from scheduler.profiler import cached_profile
+from scheduler.profiler import StageRunners, cached_profile
 
 
 @dataclass
@@ -44,25 +44,13 @@ def workload_of(cfg, profile: Profile) -> Workload:
     return Workload(cfg.env.num_envs, cfg.algorithm.rollout_steps or profile.episode_steps, group)
 
 
-def _span(devices: range) -> str:
-    return f"{devices.start}-{devices.stop - 1}" if len(devices) > 1 else str(devices.start)
-
-
-def to_placement(c: Candidate, base) -> object:
-    """The placement config that runs candidate ``c`` (``base`` gives the other fields)."""
-    sets = c.device_sets()
-    return dataclasses.replace(
-        base, mode=c.mode, env=_span(sets["env"]), rollout=_span(sets["rollout"]), actor=_span(sets["actor"]),
-        env_workers=c.env_devices, rollout_workers=c.rollout_devices, actor_workers=1, pipeline_stages=c.stages,
-        offload="always" if c.offload else "never")
-
-
-def auto_placement(cfg, devices: int, device_kind: str, log=print) -> AutoPlan:
-    """Profile ``cfg`` on this machine (cached), plan for ``devices`` devices, and choose.
-    ``device_kind`` names the devices in errors; the profile says whether offloading helps."""
+def auto_placement(cfg, devices: int, device_kind: str, runners: StageRunners, log=print) -> AutoPlan:
+    """Profile ``cfg`` on this machine (cached; ``runners`` run the stages), plan for ``devices``
+    devices, and choose. ``device_kind`` names the devices in errors; the profile says whether
+    offloading helps."""
     started = time.perf_counter()
     profile, path, measured = cached_profile(cfg, profile_sizes(cfg.env.num_envs), devices,
-                                             Path(cfg.placement.profile_dir), log)
+                                             Path(cfg.placement.profile_dir), runners, log)
     seconds = time.perf_counter() - started
     choice = plan(profile, workload_of(cfg, profile), devices, offload=profile.device_kind == "gpu")
     if choice.best is None:

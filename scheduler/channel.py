@@ -15,6 +15,7 @@ and the store releases each producer's items in sequence.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -26,8 +27,20 @@ _NEXT_SEQ: dict[tuple[str, Any], int] = defaultdict(int)
 _INLINE_BYTES = 64 * 1024  # smaller items go by value: one hop less than the object store
 
 
+def observation_key(env_rank: int, stage: int) -> tuple[str, int, int]:
+    """Where env worker ``env_rank`` puts micro-batch ``stage``'s :class:`~envs.messages.StepMessage`."""
+    return ("obs", env_rank, stage)
+
+
+def action_key(env_rank: int, stage: int) -> tuple[str, int, int]:
+    """Where a rollout worker puts the actions for env worker ``env_rank``'s micro-batch ``stage``."""
+    return ("act", env_rank, stage)
+
+
 def _nbytes(item: Any) -> int:
-    """Bytes of the tensors / arrays in ``item`` (nested dicts, lists, tuples)."""
+    """Bytes of the tensors / arrays in ``item`` (nested dicts, lists, tuples, dataclasses)."""
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return sum(_nbytes(getattr(item, f.name)) for f in dataclasses.fields(item))
     if isinstance(item, dict):
         return sum(_nbytes(v) for v in item.values())
     if isinstance(item, (list, tuple)):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import tempfile
 
+from envs.rendering import ensure_vulkan_icd
+from scheduler.placement import ClusterDevices, Device
+
 # Ray 2.60 turns token auth on by default and writes ~/.ray/auth_token; a local
 # research cluster does not need it, and tests must not write to the home dir.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -18,8 +21,6 @@ def start_cluster(address: str | None = None, num_cpus: int | None = None,
     cores) and ``num_gpus`` GPUs (default: what CUDA sees).
     """
     import ray
-
-    from envs.rendering import ensure_vulkan_icd
 
     # workers inherit the driver's environment: pick the Vulkan driver here, once
     ensure_vulkan_icd()
@@ -41,8 +42,6 @@ def cluster_devices():
     :class:`~scheduler.placement.ClusterDevices`.
     """
     import ray
-
-    from scheduler.placement import ClusterDevices, Device
 
     nodes = [n for n in ray.nodes() if n["Alive"]]
     nodes.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeManagerAddress"], n["NodeID"]))

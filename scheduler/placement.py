@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from embodied.errors import UserError
+from envs.common import UserError
+from scheduler.cost_model import Candidate
 
 GROUPS = ("env", "rollout", "actor")
 MODES = ("colocated", "disaggregated", "hybrid")
@@ -237,3 +238,16 @@ def _check_mode(cfg, ranges: dict[str, set[int]]) -> None:
             f"placement.actor={cfg.actor!r} shares none of theirs: overlap it with them, or use "
             f"mode=disaggregated."
         )
+
+
+def _span(devices: range) -> str:
+    return f"{devices.start}-{devices.stop - 1}" if len(devices) > 1 else str(devices.start)
+
+
+def to_placement(c: Candidate, base) -> object:
+    """The placement config that runs candidate ``c`` (``base`` gives the other fields)."""
+    sets = c.device_sets()
+    return replace(
+        base, mode=c.mode, env=_span(sets["env"]), rollout=_span(sets["rollout"]), actor=_span(sets["actor"]),
+        env_workers=c.env_devices, rollout_workers=c.rollout_devices, actor_workers=1, pipeline_stages=c.stages,
+        offload="always" if c.offload else "never")

@@ -48,10 +48,30 @@ from pathlib import Path
 
 import torch
 
+from envs.messages import Trajectory
+from policies.registry import make_policy
 from scheduler.cost_model import Candidate, Curve, Profile
+from scheduler.offload import DeviceState
+from scheduler.placement import to_placement
 from scheduler.worker import resident_mib
 
 PROFILE_VERSION = 9
+
+
+@dataclass(frozen=True)
+class StageRunners:
+    """What the profiler runs, handed down by the trainer (``embodied/``, a layer above):
+    the scheduler measures the trainer's own stages without importing it.
+
+    - ``start_workers(cfg)``: the trainer's worker groups, placed as ``cfg.placement`` says
+      (``embodied.runner.Workers``: ``reset_envs``, ``rollout_steps``, ``prepare_generation``,
+      ``env``, ``action_dim``, ``max_episode_steps``, ``shutdown``);
+    - ``update(policy, optimizer, batch, algorithm_cfg)``: one update of the algorithm
+      (``embodied.algorithms.ppo.ppo_update``) on a trajectory batch.
+    """
+
+    start_workers: Callable
+    update: Callable
 
 
 def hardware() -> dict:
@@ -111,11 +131,9 @@ def _batch(obs: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
 
 
 def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_sizes: list[int], repeats: int,
-                   device: torch.device) -> dict:
-    """Inference, training and offload costs of ``cfg.policy`` under ``cfg.algorithm``."""
-    from embodied.algorithms.ppo import ppo_update
-    from policies.registry import make_policy
-    from scheduler.offload import DeviceState
+                   device: torch.device, update: Callable) -> dict:
+    """Inference, training and offload costs of ``cfg.policy`` under ``cfg.algorithm`` (``update``:
+    :attr:`StageRunners.update`)."""
 
     obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in obs.items()}
     torch.manual_seed(0)
@@ -136,7 +154,7 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
         batch = _train_batch(policy, {k: v.to(device) for k, v in _batch(obs, n).items()})
         before = _memory_mib(device)
         # one warm-up, at the first size: an update is the profile's slowest stage
-        train_t.append(_median_seconds(lambda b=batch: ppo_update(policy, optimizer, b, cfg.algorithm), 1, i == 0))
+        train_t.append(_median_seconds(lambda b=batch: update(policy, optimizer, b, cfg.algorithm), 1, i == 0))
         train_m.append(3 * weights_mib + max(_memory_mib(device) - before, 0.0))  # weights, grads, Adam moments
     switch = DeviceState(policy, optimizer)
     offload_s = _median_seconds(lambda: (switch.offload(), switch.onload()), repeats)
@@ -147,14 +165,14 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
             "offload_s": offload_s}
 
 
-def _train_batch(policy, obs: dict) -> dict:
+def _train_batch(policy, obs: dict) -> Trajectory:
     """A one-step trajectory of ``n`` envs with the policy's own samples, as rollout workers send."""
     with torch.no_grad():
         actions, logprobs, values = policy.act(obs)
     n = actions.shape[0]
-    return {"obs": {k: v[None] for k, v in obs.items()}, "actions": actions[None], "logprobs": logprobs[None],
-            "values": values[None], "rewards": torch.randn(1, n), "dones": torch.zeros(1, n, dtype=torch.bool),
-            "next_value": torch.zeros(n)}
+    return Trajectory(obs={k: v[None] for k, v in obs.items()}, actions=actions[None], logprobs=logprobs[None],
+                      values=values[None], rewards=torch.randn(1, n), dones=torch.zeros(1, n, dtype=torch.bool),
+                      next_value=torch.zeros(n))
 
 
 @dataclass
@@ -175,19 +193,17 @@ PROBE_SECONDS = 2.0  # a probe rollout lasts about this long: enough steps for a
 PROBE_STEPS = (4, 16)  # ... within these bounds (slow steps: Ray's milliseconds matter less)
 
 
-def _probe_rollout(cfg, plan: Candidate, repeats: int = 3) -> _Probe:
+def _probe_rollout(cfg, plan: Candidate, start_workers: Callable, repeats: int = 3) -> _Probe:
     """Rollouts on real workers placed as ``plan``; the median one's seconds per step. Slow
     steps (images, large policies) get fewer steps, within ``PROBE_STEPS``. A whole rollout
     per measurement (not a line through short and long ones, whose difference doubles the
     noise), and the median of ``repeats`` (the mean of two where a rollout lasts over twice
     ``PROBE_SECONDS``): a busy moment of Ray's own processes can slow a short rollout on a
     small machine by half."""
-    from embodied.runner import Workers
-    from scheduler.auto import to_placement
-
     # the probe only rolls out: GRPO's rule that a rollout holds whole episodes does not apply
     algorithm = dataclasses.replace(cfg.algorithm, rollout_steps=max(PROBE_STEPS), advantage="gae")
-    workers = Workers(dataclasses.replace(cfg, placement=to_placement(plan, cfg.placement), algorithm=algorithm))
+    placement = to_placement(plan, cfg.placement)
+    workers = start_workers(dataclasses.replace(cfg, placement=placement, algorithm=algorithm))
     try:
         workers.reset_envs(iteration=0, sim_steps=0)
         started = time.perf_counter()
@@ -230,14 +246,15 @@ def channel_costs(lockstep: _Probe, piped: _Probe | None, shared: _Probe | None,
     return {"hop_s": hop, "message_s": message, "shared_message_s": shared_message}
 
 
-def measure(cfg, sizes: list[int], devices: int, repeats: int = 5, log=print) -> Profile:
-    """Profile every stage of ``cfg`` on this machine (see the module doc)."""
+def measure(cfg, sizes: list[int], devices: int, runners: StageRunners, repeats: int = 5, log=print) -> Profile:
+    """Profile every stage of ``cfg`` on this machine (see the module doc), run by ``runners``."""
     started = time.perf_counter()
     n = cfg.env.num_envs
     split, halves = devices >= 2, n % 2 == 0
-    lockstep = _probe_rollout(cfg, Candidate("hybrid", 1, 1, 1) if split else Candidate("colocated", 1, 1, 1))
-    piped = _probe_rollout(cfg, Candidate("hybrid", 1, 1, 1, 2)) if split and halves else None
-    shared = _probe_rollout(cfg, Candidate("colocated", 2, 2, 2)) if split and halves else None
+    start = runners.start_workers
+    lockstep = _probe_rollout(cfg, Candidate("hybrid", 1, 1, 1) if split else Candidate("colocated", 1, 1, 1), start)
+    piped = _probe_rollout(cfg, Candidate("hybrid", 1, 1, 1, 2), start) if split and halves else None
+    shared = _probe_rollout(cfg, Candidate("colocated", 2, 2, 2), start) if split and halves else None
     workers_s = time.perf_counter() - started
     env_points = {n: lockstep.env_step_s} | ({n // 2: piped.env_step_s} if piped else {})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -246,7 +263,7 @@ def measure(cfg, sizes: list[int], devices: int, repeats: int = 5, log=print) ->
     try:
         steps = cfg.algorithm.rollout_steps or lockstep.episode_steps
         policy = measure_policy(cfg, lockstep.obs, lockstep.action_dim, sizes, [k * steps for k in sizes[:2]],
-                                repeats, device)
+                                repeats, device, runners.update)
     finally:
         torch.set_num_threads(threads)
         gc.collect()
@@ -276,14 +293,15 @@ def load(path: Path) -> Profile:
     return Profile(**{**data, **curves})
 
 
-def cached_profile(cfg, sizes: list[int], devices: int, profile_dir: Path, log=print) -> tuple[Profile, Path, bool]:
-    """The profile for ``cfg`` on this machine: read from ``profile_dir`` or measured and saved.
-    Returns ``(profile, path, measured_now)``."""
+def cached_profile(cfg, sizes: list[int], devices: int, profile_dir: Path, runners: StageRunners,
+                   log=print) -> tuple[Profile, Path, bool]:
+    """The profile for ``cfg`` on this machine: read from ``profile_dir`` or measured (by ``runners``)
+    and saved. Returns ``(profile, path, measured_now)``."""
     path = Path(profile_dir) / f"profile-{profile_key(cfg, sizes)}.json"
     if path.exists():
         return load(path), path, False
     started = time.perf_counter()
-    profile = measure(cfg, sizes, devices, log=log)
+    profile = measure(cfg, sizes, devices, runners, log=log)
     save(profile, path)
     log(f"profiled stages at batch sizes {sizes} in {time.perf_counter() - started:.1f} s -> {path}")
     return profile, path, True

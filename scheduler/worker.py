@@ -115,7 +115,8 @@ class WorkerGroup:
         share = placement.share(plan)
         if plan.device_kind == "gpu":
             # Ray's fractional GPUs only account; the worker picks its GPU itself (cuda:<local index>)
-            resources = {"num_gpus": share, "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}}
+            keep_visible = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+            resources = {"num_gpus": share, "runtime_env": keep_visible}
         else:
             resources = {"num_cpus": share}
         remote_cls = ray.remote(cls)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -70,8 +71,13 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subpro
 
 
 def assert_identical(a, b, path: str = "value") -> None:
-    """Nested dicts / lists / tensors equal bit for bit (same dtype and device); names the first difference."""
-    if isinstance(a, dict):
+    """Nested dicts / lists / dataclasses / tensors equal bit for bit (same dtype and device); names the
+    first difference."""
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        assert type(a) is type(b), path
+        fields = [f.name for f in dataclasses.fields(a)]
+        assert_identical({k: getattr(a, k) for k in fields}, {k: getattr(b, k) for k in fields}, path)
+    elif isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for k in a:
             assert_identical(a[k], b[k], f"{path}.{k}")

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from embodied.algorithms.losses import ppo_loss
+from embodied.algorithms.losses import LossTerms, ppo_loss
 from embodied.config import compose
 from embodied.sft import chunk_targets
 from envs.chunking import ChunkedVecEnv
@@ -103,11 +103,11 @@ def test_ppo_units_share_their_sample_advantage():
     old, adv = torch.randn(8, 3, generator=g), torch.randn(8, generator=g)
     new = old + 0.5 * torch.randn(8, 3, generator=g)
     value, ret, entropy = torch.zeros(8), torch.zeros(8), torch.zeros(8)
-    whole, _ = ppo_loss(new.sum(-1), old.sum(-1), adv, value, value, ret, entropy, cfg)
-    whole_units, _ = ppo_loss(new.sum(-1, keepdim=True), old.sum(-1, keepdim=True), adv, value, value, ret,
-                              entropy, cfg)
+    whole, _ = ppo_loss(LossTerms(new.sum(-1), old.sum(-1), adv, value, value, ret, entropy), cfg)
+    whole_units, _ = ppo_loss(LossTerms(new.sum(-1, keepdim=True), old.sum(-1, keepdim=True), adv, value, value, ret,
+                                        entropy), cfg)
     torch.testing.assert_close(whole, whole_units)
-    per_unit, _ = ppo_loss(new, old, adv, value, value, ret, entropy, cfg)
+    per_unit, _ = ppo_loss(LossTerms(new, old, adv, value, value, ret, entropy), cfg)
     ratio = (new - old).exp()
     clipped = ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)
     expected = torch.max(-adv[:, None] * ratio, -adv[:, None] * clipped).mean()
@@ -115,7 +115,7 @@ def test_ppo_units_share_their_sample_advantage():
 
 
 def test_only_vla_policies_take_chunks():
-    from embodied.errors import UserError
+    from envs.common import UserError
     from policies.registry import check_policy_config
 
     check_policy_config(compose(["policy=openvla_tiny", "policy.chunk_size=2"]).policy)

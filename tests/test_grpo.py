@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from embodied.algorithms.advantages import first_episode_mask, grpo_advantages
-from embodied.algorithms.losses import ppo_loss
+from embodied.algorithms.losses import LossTerms, ppo_loss
 from embodied.algorithms.ppo import flatten_time
+from envs.messages import Trajectory
 
 
 def reference_grpo(rewards, dones, group_size, filter_uniform, weighting="step", eps=1e-6):
@@ -87,7 +88,7 @@ def test_episode_weighting_balances_a_group_whose_success_ended_early():
 
 
 def test_unknown_grpo_weighting_is_refused():
-    from embodied.errors import UserError
+    from envs.common import UserError
 
     with pytest.raises(UserError, match="episode"):
         grpo_advantages(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bool), group_size=2, weighting="token")
@@ -103,7 +104,7 @@ def test_asymmetric_clip_allows_larger_increases():
     new = torch.tensor([math.log(1.25), math.log(1.25), math.log(0.75)], requires_grad=True)
     adv = torch.tensor([1.0, -1.0, -1.0])
     zeros = torch.zeros(3)
-    loss, stats = ppo_loss(new, zeros, adv, zeros, zeros, zeros, zeros, cfg)
+    loss, stats = ppo_loss(LossTerms(new, zeros, adv, zeros, zeros, zeros, zeros), cfg)
     loss.backward()
     # ratio 1.25 with A > 0: inside [0.8, 1.28], so it still gets a gradient (a symmetric 0.2 clip cuts it);
     # ratio 0.75 with A < 0: below 0.8, clipped, no gradient
@@ -113,9 +114,10 @@ def test_asymmetric_clip_allows_larger_increases():
 
 def test_update_trains_only_on_valid_samples():
     T, B = 3, 2
-    batch = {"obs": {"state": torch.arange(T * B * 2.0).view(T, B, 2)}, "actions": torch.zeros(T, B, 1),
-             "logprobs": torch.zeros(T, B), "values": torch.zeros(T, B)}
+    batch = Trajectory(obs={"state": torch.arange(T * B * 2.0).view(T, B, 2)}, actions=torch.zeros(T, B, 1),
+                       logprobs=torch.zeros(T, B), values=torch.zeros(T, B), rewards=torch.zeros(T, B),
+                       dones=torch.zeros(T, B, dtype=torch.bool), next_value=torch.zeros(B))
     valid = torch.tensor([[True, False], [True, True], [False, False]])
     flat = flatten_time(batch, torch.ones(T, B), torch.zeros(T, B), valid)
-    assert flat["obs"]["state"][:, 0].tolist() == [0.0, 4.0, 6.0]  # samples (0,0), (1,0), (1,1)
-    assert flat["advantages"].shape == (3,)
+    assert flat.obs["state"][:, 0].tolist() == [0.0, 4.0, 6.0]  # samples (0,0), (1,0), (1,1)
+    assert flat.advantages.shape == (3,)

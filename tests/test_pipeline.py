@@ -4,7 +4,7 @@ change when things run, never what is computed."""
 import pytest
 
 from embodied.runner import Workers
-from embodied.workers.rollout_worker import merge_trajectories
+from envs.messages import Trajectory
 from tests.conftest import assert_identical, small_config
 
 SERIAL = ["placement.mode=colocated", "placement.env=0-1", "placement.rollout=0", "placement.actor=0"]
@@ -27,7 +27,7 @@ def _train(overrides: list[str], iterations: int = 2) -> dict:
             workers.prepare_generation()
             rows, refs, _ = workers.rollout_steps(cfg.algorithm.rollout_steps)
             workers.update(refs)
-            trajectories.append(merge_trajectories(ray.get(refs)))
+            trajectories.append(Trajectory.concat(ray.get(refs)))
             episodes += rows
         eval_rows, _ = workers.evaluate(list(range(99, 107)), deterministic=False)
         return {"trajectories": trajectories, "episodes": episodes, "eval": eval_rows,

@@ -3,7 +3,7 @@
 import pytest
 
 from embodied.config import PlacementConfig
-from embodied.errors import UserError
+from envs.common import UserError
 from scheduler.placement import ClusterDevices, Device, make_plan, parse_devices
 
 TWO_CPUS = ClusterDevices.single_node("cpu", 2)

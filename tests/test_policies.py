@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from embodied.config import compose
-from embodied.errors import UserError
+from envs.common import UserError
 from envs.registry import make_vec_env
 from policies.registry import make_policy
 

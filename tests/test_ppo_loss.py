@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from embodied.algorithms.losses import kl_to_reference, ppo_loss
+from embodied.algorithms.losses import LossTerms, kl_to_reference, ppo_loss
 
 CFG = SimpleNamespace(clip_coef=0.2, clip_coef_high=None, clip_vloss=False, vf_coef=0.5, ent_coef=0.01)
 
@@ -22,7 +22,7 @@ def test_ppo_loss_hand_checked():
     new_v, ret = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 2.0, 5.0])
     value_loss = 0.5 * (1.0 + 0.0 + 4.0) / 3
     entropy = torch.tensor([1.0, 2.0, 3.0])
-    loss, stats = ppo_loss(new, old, adv, new_v, new_v.clone(), ret, entropy, CFG)
+    loss, stats = ppo_loss(LossTerms(new, old, adv, new_v, new_v.clone(), ret, entropy), CFG)
     assert stats["policy_loss"] == pytest.approx(policy_loss)
     assert stats["value_loss"] == pytest.approx(value_loss)
     assert loss.item() == pytest.approx(policy_loss + 0.5 * value_loss - 0.01 * 2.0)
@@ -32,8 +32,8 @@ def test_ppo_loss_hand_checked():
 def test_clipped_sample_has_no_policy_gradient():
     """Past the clip range (in the direction the advantage favours) the gradient is zero."""
     new = torch.tensor([math.log(1.5)], requires_grad=True)
-    loss, _ = ppo_loss(new, torch.zeros(1), torch.tensor([1.0]), torch.zeros(1), torch.zeros(1),
-                       torch.zeros(1), torch.zeros(1), CFG)
+    loss, _ = ppo_loss(LossTerms(new, torch.zeros(1), torch.tensor([1.0]), torch.zeros(1), torch.zeros(1),
+                                 torch.zeros(1), torch.zeros(1)), CFG)
     loss.backward()
     assert new.grad.abs().item() == 0.0
 
@@ -42,7 +42,8 @@ def test_value_clipping_limits_value_change():
     cfg = SimpleNamespace(**{**vars(CFG), "clip_vloss": True, "ent_coef": 0.0})
     old_v, new_v, ret = torch.tensor([0.0]), torch.tensor([1.0]), torch.tensor([1.0])
     # unclipped error 0, clipped prediction 0.2 -> error 0.8^2; max takes the clipped one
-    _, stats = ppo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), new_v, old_v, ret, torch.zeros(1), cfg)
+    _, stats = ppo_loss(LossTerms(torch.zeros(1), torch.zeros(1), torch.zeros(1), new_v, old_v, ret, torch.zeros(1)),
+                        cfg)
     assert stats["value_loss"] == pytest.approx(0.5 * 0.8**2)
 
 

@@ -190,7 +190,8 @@ def test_qwen_vl_image_processing_follows_the_checkpoints_preprocessor_config(ch
     only caps the pixel count further (224 ** 2: the checkpoint's max binds; 112 ** 2: the cap)."""
     rgb = _real_frames()["gradient_180x240"]
     policy = _policy(f"policy.model_path={checkpoint}", f"policy.image_size={image_size}", frame=rgb.shape[1:3])
-    settings = {k: v for k, v in CHECKPOINT_PROCESSOR.items() if not k.endswith("_class") and k != "image_processor_type"}
+    settings = {k: v for k, v in CHECKPOINT_PROCESSOR.items()
+                if not k.endswith("_class") and k != "image_processor_type"}
     settings["max_pixels"] = min(settings["max_pixels"], image_size ** 2)
     ours = _model_inputs(policy, rgb)
     _assert_inputs_equal(ours, Qwen2VLImageProcessorPil(**settings), rgb)

@@ -258,7 +258,7 @@ def test_openvla_batch_of_prompts_of_different_lengths_acts_as_each_alone(openvl
 ], ids=["unnorm_key not in the statistics", "checkpoint of another action size"])
 def test_checkpoint_statistics_are_checked_before_any_worker_starts(overrides, words):
     """What Workers checks first (the CLI turns it into one paragraph and exit 2: test_cli_errors.py)."""
-    from embodied.errors import UserError
+    from envs.common import UserError
     from envs.registry import env_action_dim
     from policies.registry import check_policy_config
 

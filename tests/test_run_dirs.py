@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from embodied.errors import UserError
 from embodied.run_dirs import (
     claim_dir,
     file_away_final_eval,
@@ -15,6 +14,7 @@ from embodied.run_dirs import (
     make_unique_dir,
     read_index,
 )
+from envs.common import UserError
 
 
 def _claim(parent: str, barrier, out) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from embodied.config import compose
-from embodied.errors import UserError
+from envs.common import UserError
 from envs.registry import seed_scheme, training_reset_seeds, validation_seeds
 from envs.seeds import PROTOCOL_LIMIT, REGIONS, AutoResets, EpisodeStream, Purpose, Region, RunSeeds
 

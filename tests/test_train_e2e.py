@@ -145,6 +145,7 @@ def _check_results_are_kept(run_dir: Path, eval_dir: Path, capsys) -> None:
 def _check_auto_placement(report: dict, run_dir: Path) -> None:
     """The run profiled every stage, ran the plan it reports, and predicted its iteration time."""
     from embodied.config import load_yaml
+    from embodied.runner import STAGE_RUNNERS
     from scheduler.auto import profile_sizes
     from scheduler.profiler import cached_profile, load
 
@@ -163,7 +164,8 @@ def _check_auto_placement(report: dict, run_dir: Path) -> None:
     assert 0.1 < ratio < 20
     # the same config on the same machine reads the cache instead of measuring again
     cfg = load_yaml(run_dir / "config.yaml")  # the run's env, policy and algorithm: what the key hashes
-    _, path, measured_now = cached_profile(cfg, profile_sizes(4), 2, Path(report["profile"]).parent, log=print)
+    _, path, measured_now = cached_profile(cfg, profile_sizes(4), 2, Path(report["profile"]).parent, STAGE_RUNNERS,
+                                         log=print)
     assert not measured_now and str(path) == report["profile"]
 
 
@@ -232,11 +234,12 @@ def test_final_weights_best_evaluates_the_best_validation_not_the_last(ray_clust
     for key, value in best["actor"]["policy"].items():  # the final eval ran the best weights
         torch.testing.assert_close(evaluated[key], value, rtol=0, atol=0)
     if first_best + 1 < 3:
-        assert any(not torch.equal(value, last["actor"]["policy"][key]) for key, value in best["actor"]["policy"].items())
+        last_weights = last["actor"]["policy"]
+        assert any(not torch.equal(value, last_weights[key]) for key, value in best["actor"]["policy"].items())
 
 
 def test_final_weights_best_without_validations_is_a_config_error(tmp_path):
-    from embodied.errors import UserError
+    from envs.common import UserError
 
     with pytest.raises(UserError, match="runner.eval_every=0 runs none"):
         Trainer(small_config("runner.final_weights=best"), tmp_path)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from embodied.config import compose
-from embodied.errors import UserError
+from envs.common import UserError
 from policies.registry import make_policy
 from policies.vla.vllm_backend import merged_weights
 

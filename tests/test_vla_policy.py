@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from embodied.algorithms.losses import kl_to_reference
-from embodied.algorithms.ppo import ppo_update
+from embodied.algorithms.ppo import critic_warmup_update, ppo_update
 from embodied.config import compose
+from envs.messages import Trajectory
 from policies.registry import make_policy
 
 SPEC = {"rgb": ((96, 96, 3), torch.uint8), "state": ((9,), torch.float32)}
@@ -105,10 +106,11 @@ def test_lora_update_changes_only_adapters_and_value_head(model):
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     obs = _obs(8)
     bins, logprob, value = policy.act(obs)
-    batch = {"obs": {k: v[None] for k, v in obs.items()}, "actions": bins[None], "logprobs": logprob[None],
-             "values": value[None], "rewards": torch.randn(1, 8), "dones": torch.ones(1, 8, dtype=torch.bool),
-             "next_value": torch.zeros(8)}
-    cfg = compose(["algorithm.update_epochs=1", "algorithm.num_minibatches=2", "algorithm.logprob_level=token"]).algorithm
+    batch = Trajectory(obs={k: v[None] for k, v in obs.items()}, actions=bins[None], logprobs=logprob[None],
+                       values=value[None], rewards=torch.randn(1, 8), dones=torch.ones(1, 8, dtype=torch.bool),
+                       next_value=torch.zeros(8))
+    cfg = compose(["algorithm.update_epochs=1", "algorithm.num_minibatches=2",
+                   "algorithm.logprob_level=token"]).algorithm
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     ppo_update(policy, optimizer, batch, cfg)
     changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
@@ -133,7 +135,7 @@ def test_a_saved_model_directory_loads_offline_and_acts_identically(tmp_path, mo
 
 @pytest.mark.parametrize("model", MODELS)
 def test_policy_needs_images(model):
-    from embodied.errors import UserError
+    from envs.common import UserError
 
     cfg = compose([f"policy={model}"]).policy
     with pytest.raises(UserError, match="obs_mode: rgb"):
@@ -144,7 +146,7 @@ def test_policy_needs_images(model):
 
 def test_a_checkpoints_norm_stats_unnormalise_its_actions(tmp_path, monkeypatch):
     """Real OpenVLA checkpoints carry per-dataset q01/q99 (config.json ``norm_stats``)."""
-    from embodied.errors import UserError
+    from envs.common import UserError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     policy = _policy("openvla_tiny")
@@ -184,7 +186,8 @@ def test_dataset_stats_travel_with_the_weights_and_the_model_directory(tmp_path,
     torch.testing.assert_close(fresh.to_env(bins), expected)
 
     policy.save_pretrained(tmp_path)
-    torch.testing.assert_close(_policy(model, f"policy.model_path={tmp_path}", "policy.chunk_size=1").to_env(bins), expected)
+    policy = _policy(model, f"policy.model_path={tmp_path}", "policy.chunk_size=1")
+    torch.testing.assert_close(policy.to_env(bins), expected)
 
     old = {k: v for k, v in policy.state_dict().items() if k != "action_stats"}
     fresh.load_state_dict(old)
@@ -216,14 +219,14 @@ def test_critic_warmup_update_trains_only_the_critic_and_fits_the_returns(model)
     obs = _obs(16)
     actions, logprob, value = policy.act(obs)
     rewards = torch.linspace(-1, 1, 16)[None]
-    batch = {"obs": {k: v[None] for k, v in obs.items()}, "actions": actions[None], "logprobs": logprob[None],
-             "values": value[None], "rewards": rewards, "dones": torch.ones(1, 16, dtype=torch.bool),
-             "next_value": torch.zeros(16)}
+    batch = Trajectory(obs={k: v[None] for k, v in obs.items()}, actions=actions[None], logprobs=logprob[None],
+                       values=value[None], rewards=rewards, dones=torch.ones(1, 16, dtype=torch.bool),
+                       next_value=torch.zeros(16))
     cfg = compose(["algorithm.update_epochs=40", "algorithm.num_minibatches=1", "algorithm.target_kl=null"]).algorithm
     critic = {n for n, _ in policy.named_parameters() if n.startswith(policy.critic_modules)}
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    stats = ppo_update(policy, optimizer, batch, cfg, critic_only=True)
+    stats = critic_warmup_update(policy, optimizer, batch, cfg)
     changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
     assert critic and changed == critic
     assert stats["critic_only"] == 1.0
@@ -252,9 +255,9 @@ def test_kl_coef_pulls_a_drifted_policy_back_to_its_reference(kl_coef):
         with torch.no_grad():
             return kl_to_reference(policy.evaluate(obs, actions)[0], reference.evaluate(obs, actions)[0]).item()
 
-    batch = {"obs": {k: v[None] for k, v in obs.items()}, "actions": actions[None], "logprobs": logprob[None],
-             "values": value[None], "rewards": torch.zeros(1, 16), "dones": torch.ones(1, 16, dtype=torch.bool),
-             "next_value": torch.zeros(16)}
+    batch = Trajectory(obs={k: v[None] for k, v in obs.items()}, actions=actions[None], logprobs=logprob[None],
+                       values=value[None], rewards=torch.zeros(1, 16), dones=torch.ones(1, 16, dtype=torch.bool),
+                       next_value=torch.zeros(16))
     cfg = compose(["algorithm.update_epochs=10", "algorithm.num_minibatches=1", "algorithm.target_kl=null",
                    "algorithm.vf_coef=0", "algorithm.normalize_advantages=false",
                    f"algorithm.kl_coef={kl_coef}"]).algorithm

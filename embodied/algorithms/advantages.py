@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from embodied.registry import Registry
+from envs.common import Registry
+from envs.messages import Trajectory
 
 ADVANTAGES = Registry("advantage estimator (algorithm.advantage)")
 # estimators that score whole episodes: each iteration resets the envs (in groups)
@@ -90,14 +91,14 @@ def grpo_advantages(rewards: torch.Tensor, dones: torch.Tensor, group_size: int,
 
 
 @ADVANTAGES.register("gae")
-def gae_estimator(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    advantages, returns = gae(batch["rewards"], batch["values"], batch["dones"], batch["next_value"],
+def gae_estimator(batch: Trajectory, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    advantages, returns = gae(batch.rewards, batch.values, batch.dones, batch.next_value,
                               gamma=cfg.gamma, gae_lambda=cfg.gae_lambda)
-    return advantages, returns, torch.ones_like(batch["dones"], dtype=torch.bool)
+    return advantages, returns, torch.ones_like(batch.dones, dtype=torch.bool)
 
 
 @ADVANTAGES.register("grpo")
-def grpo_estimator(batch: dict, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    advantages, valid = grpo_advantages(batch["rewards"], batch["dones"], cfg.group_size,
+def grpo_estimator(batch: Trajectory, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    advantages, valid = grpo_advantages(batch.rewards, batch.dones, cfg.group_size,
                                         cfg.filter_uniform_groups, cfg.grpo_weighting)
-    return advantages, batch["values"], valid  # returns = values: no value loss (there is no critic)
+    return advantages, batch.values, valid  # returns = values: no value loss (there is no critic)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from embodied.registry import Registry
+from envs.common import Registry
 
 LOGPROB_LEVELS = Registry("log-prob level (algorithm.logprob_level)")
 

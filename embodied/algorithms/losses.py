@@ -1,16 +1,32 @@
 """Policy-gradient losses, registered by name (``algorithm.loss``).
 
-A loss takes flat ``[N]`` tensors of one minibatch (log-probs ``[N, G]``: ``G`` ratios per
-sample, see logprob_levels.py) and the algorithm config and returns ``(loss, stats)``.
+A loss takes one minibatch's :class:`LossTerms` and the algorithm config and returns
+``(loss, stats)``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from embodied.registry import Registry
+from envs.common import Registry
 
 LOSSES = Registry("loss (algorithm.loss)")
+
+
+@dataclass
+class LossTerms:
+    """One minibatch of ``N`` samples, flat. Log-probs are ``[N, G]`` (``G`` ratios per sample,
+    see logprob_levels.py) or ``[N]``; the rest ``[N]``. ``new_*`` carry gradients."""
+
+    new_logprob: torch.Tensor
+    old_logprob: torch.Tensor  # the rollout's
+    advantages: torch.Tensor
+    new_value: torch.Tensor
+    old_value: torch.Tensor  # the rollout's
+    returns: torch.Tensor
+    entropy: torch.Tensor
 
 
 def critic_loss(new_value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor, cfg) -> torch.Tensor:
@@ -30,15 +46,14 @@ def kl_to_reference(logprob: torch.Tensor, reference_logprob: torch.Tensor) -> t
 
 
 @LOSSES.register("ppo")
-def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
-             new_value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor,
-             entropy: torch.Tensor, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+def ppo_loss(terms: LossTerms, cfg) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate + (optionally clipped) value loss - entropy bonus.
 
     ``loss = -mean(min(r A, clip(r, 1-c, 1+c_high) A)) + vf_coef * 0.5 * mean((V - R)^2)
     - ent_coef * mean(H)`` with ``r = exp(new_logprob - old_logprob)`` and ``c_high``
     = ``clip_coef_high`` (asymmetric clipping) or ``clip_coef``.
     """
+    new_logprob, old_logprob, advantages = terms.new_logprob, terms.old_logprob, terms.advantages
     log_ratio = new_logprob - old_logprob
     ratio = log_ratio.exp()
     if ratio.dim() > advantages.dim():  # several units per sample share its advantage
@@ -48,8 +63,8 @@ def ppo_loss(new_logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: t
         -advantages * ratio,
         -advantages * ratio.clamp(1 - cfg.clip_coef, 1 + clip_high),
     ).mean()
-    value_loss = critic_loss(new_value, old_value, returns, cfg)
-    entropy_mean = entropy.mean()
+    value_loss = critic_loss(terms.new_value, terms.old_value, terms.returns, cfg)
+    entropy_mean = terms.entropy.mean()
     loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy_mean
     with torch.no_grad():
         stats = {

@@ -1,7 +1,7 @@
 """Benchmarks run by ``embodied bench <name>``: each module has ``run(overrides, iterations, out_dir)``
 returning a JSON-able summary and ``markdown(summary)`` rendering its table."""
 
-from embodied.registry import Registry
+from envs.common import Registry
 
 BENCHES = Registry("benchmark (embodied bench <name>)")
 BENCHES.update({"pipeline": "embodied.bench.pipeline"})

@@ -17,6 +17,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
+from embodied.config import compose
+
 # the default workload: CPU-rendered 128px RGB and a CNN wide enough that one inference
 # costs about one simulator step (~35 ms per env on lavapipe); 50 steps = one PushCube
 # episode per env, so the pipeline's fill and drain (one micro-batch each) weigh little
@@ -51,6 +55,7 @@ class ModeResult:
     infer_s: float  # rollout worker busy time per iteration
     weight_sync_s: float
     trace: list[tuple[str, str, float, float]] = field(default_factory=list)  # lane, stage, start, end
+    env_steps_per_iteration: int = 0  # simulator steps (a chunked VLA's decision is chunk_size of them)
 
 
 def _measure(name: str, cfg, iterations: int, on_iteration) -> ModeResult:
@@ -59,7 +64,8 @@ def _measure(name: str, cfg, iterations: int, on_iteration) -> ModeResult:
     workers = Workers(cfg)
     try:
         workers.reset_envs(iteration=0, sim_steps=0)
-        steps = cfg.algorithm.rollout_steps
+        steps = workers.steps_per_rollout  # decisions per env, as the trainer rolls out
+        steps_per_iter = workers.layout.env_steps(steps)  # simulator steps, as the trainer counts them
         rows = []
         for i in range(iterations + 1):  # the first is a warm-up (renderer setup, lazy init)
             t0, wall0 = time.perf_counter(), time.time()
@@ -76,17 +82,12 @@ def _measure(name: str, cfg, iterations: int, on_iteration) -> ModeResult:
     finally:
         workers.shutdown()
     mean = [sum(col) / len(col) for col in zip(*rows, strict=True)]
-    steps_per_iter = steps * cfg.env.num_envs
     return ModeResult(name, mean[0], steps_per_iter / mean[0], mean[1], mean[2], mean[3],
-                      [(lane, stage, start - wall0, end - wall0) for lane, stage, start, end in trace])
+                      [(lane, stage, start - wall0, end - wall0) for lane, stage, start, end in trace], steps_per_iter)
 
 
 def run(overrides: list[str], iterations: int = 2, out_dir: Path | None = None, progress: bool = True) -> dict:
     """Measure every mode; write ``results.json``, ``results.md`` and ``timeline.png``; return the results."""
-    from tqdm import tqdm
-
-    from embodied.config import compose
-
     configs = [(name, compose([*DEFAULT_OVERRIDES, *mode, *overrides])) for name, mode in MODES]
     results = []
     with tqdm(total=iterations * len(configs), desc="bench pipeline", unit="iter", disable=not progress) as bar:
@@ -95,7 +96,7 @@ def run(overrides: list[str], iterations: int = 2, out_dir: Path | None = None, 
             results.append(_measure(name, cfg, iterations, lambda: bar.update(1)))
     summary = summarize(results)
     summary["workload"] = {"overrides": [*DEFAULT_OVERRIDES, *overrides], "iterations": iterations,
-                           "env_steps_per_iteration": configs[0][1].algorithm.rollout_steps * configs[0][1].env.num_envs}
+                           "env_steps_per_iteration": results[0].env_steps_per_iteration}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "results.json").write_text(json.dumps(summary, indent=2))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch import nn
 
-from embodied.algorithms.ppo import optimizer_groups, ppo_update
-from embodied.workers.rollout_worker import merge_trajectories
+from embodied.algorithms.ppo import critic_warmup_update, optimizer_groups, ppo_update
+from envs.messages import Trajectory
 from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
 from scheduler.offload import DeviceState
@@ -75,15 +76,17 @@ class ActorWorker(Worker):
         if self.cfg.kl_coef > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
 
-    def update(self, *trajectories: dict, critic_only: bool = False) -> dict[str, float]:
-        """One PPO update on the trajectories of every rollout worker (``critic_only``: the value function's)."""
-        batch = merge_trajectories(list(trajectories))
-        batch = _to(batch, self.device)
+    def update(self, *trajectories: Trajectory, critic_only: bool = False) -> dict[str, float]:
+        """One PPO update on the trajectories of every rollout worker (``critic_only``: a critic
+        warm-up update, the value function's alone)."""
+        batch = _to(Trajectory.concat(list(trajectories)), self.device)
         self.policy.train()
         torch.set_num_threads(self.update_threads)
         with self.all_cores():  # env and rollout workers wait for the new weights: their cores are free
+            if critic_only:
+                return critic_warmup_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator)
             return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator,
-                              critic_only=critic_only, reference=self.reference)
+                              reference=self.reference)
 
     def state(self) -> dict:
         """Everything a checkpoint needs to continue training exactly."""
@@ -111,7 +114,6 @@ def _cpu_state(module: nn.Module) -> dict:
     return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
 
-def _to(batch, device):
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch.to(device)
+def _to(batch: Trajectory, device) -> Trajectory:
+    moved = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch) if f.name != "obs"}
+    return Trajectory(obs={k: v.to(device) for k, v in batch.obs.items()}, **moved)

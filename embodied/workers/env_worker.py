@@ -1,12 +1,12 @@
 """EnvWorker: owns a slice of the env batch and trades observations for actions over a Channel.
 
-The slice is cut into ``stages`` micro-batches (``placement.pipeline_stages``), each
-its own VecEnv. Per step and stage ``s`` the worker waits for actions under key
-``("act", rank, s)``, steps that micro-batch and puts ``{obs, reward, terminated,
-truncated, final_obs}`` under ``("obs", rank, s)``. While it steps micro-batch ``s``
-the rollout worker is free to infer on micro-batch ``s - 1``: that is the pipeline.
-With one stage the two take turns. With ``action_chunk > 1`` each step is a chunk of that many
-simulator steps (:class:`envs.chunking.ChunkedVecEnv`).
+The slice is cut into ``stages`` micro-batches (``placement.pipeline_stages``, sizes from the
+run's :class:`~scheduler.layout.BatchLayout`), each its own VecEnv. Per step and stage ``s``
+the worker waits for actions under ``action_key(rank, s)``, steps that micro-batch and puts a
+:class:`~envs.messages.StepMessage` under ``observation_key(rank, s)``. While it steps
+micro-batch ``s`` the rollout worker is free to infer on micro-batch ``s - 1``: that is the
+pipeline. With one stage the two take turns. With ``chunk_size > 1`` each step is a chunk of
+that many simulator steps (:class:`envs.chunking.ChunkedVecEnv`).
 """
 
 from __future__ import annotations
@@ -19,30 +19,31 @@ import torch
 
 from envs.base import episode_rows
 from envs.chunking import ChunkedVecEnv
+from envs.messages import EnvSpec, StepMessage
 from envs.registry import make_vec_env
 from envs.seeds import AutoResets
-from scheduler.channel import Channel, InOrder
+from scheduler.channel import Channel, InOrder, action_key, observation_key
+from scheduler.layout import BatchLayout
 from scheduler.worker import Worker, resident_mib
 
 
 class EnvWorker(Worker):
-    def __init__(self, env_cfg, num_envs: int, stages: int = 1, action_chunk: int = 1, **kwargs):
+    def __init__(self, env_cfg, layout: BatchLayout, **kwargs):
         super().__init__(**kwargs)
         self.env_cfg = env_cfg
-        self.num_envs = num_envs
-        self.stage_size = num_envs // stages
+        self.layout = layout
+        self.stage_size = layout.stage_size
         # env.num_procs sim processes per worker, shared out over its micro-batches (0: in-process)
-        procs = max(1, env_cfg.num_procs // stages) if env_cfg.num_procs else 0
-        self.envs = [make_vec_env(env_cfg, num_envs=self.stage_size, num_procs=procs) for _ in range(stages)]
-        if action_chunk > 1:
-            self.envs = [ChunkedVecEnv(env, action_chunk) for env in self.envs]
-        self.obs: list[dict[str, torch.Tensor] | None] = [None] * stages
+        procs = max(1, env_cfg.num_procs // layout.stages) if env_cfg.num_procs else 0
+        self.envs = [make_vec_env(env_cfg, num_envs=self.stage_size, num_procs=procs) for _ in range(layout.stages)]
+        if layout.chunk_size > 1:
+            self.envs = [ChunkedVecEnv(env, layout.chunk_size) for env in self.envs]
+        self.obs: list[dict[str, torch.Tensor] | None] = [None] * layout.stages
         self.trace: list[tuple[str, float, float]] = []  # (stage name, start, end), wall clock
 
-    def spec(self) -> dict:
+    def spec(self) -> EnvSpec:
         env = self.envs[0]
-        return {"obs_spec": env.obs_spec, "action_dim": env.action_dim,
-                "max_episode_steps": env.max_episode_steps}
+        return EnvSpec(env.obs_spec, env.action_dim, env.max_episode_steps)
 
     def observations(self) -> dict[str, torch.Tensor]:
         """The first micro-batch's current observations (the profiler times the policy on them)."""
@@ -56,8 +57,8 @@ class EnvWorker(Worker):
                auto_resets: AutoResets | None = None) -> None:
         for s, env in enumerate(self.envs):
             env.set_ignore_terminations(ignore_terminations)
-            first = s * self.stage_size
-            self.obs[s], _ = env.reset(seed=seeds[first:first + self.stage_size], reconfigure=reconfigure,
+            first = self.layout.stage_slice(s).start
+            self.obs[s], _ = env.reset(seed=seeds[self.layout.stage_slice(s)], reconfigure=reconfigure,
                                        auto_resets=auto_resets.shifted(first) if auto_resets else None)
 
     def reset(self, seeds: list[int], auto_resets: AutoResets) -> None:
@@ -77,10 +78,10 @@ class EnvWorker(Worker):
         self.trace = []
         started = time.perf_counter()
         for s, obs in enumerate(self.obs):
-            channel.put({"obs": obs}, key=("obs", self.rank, s))
+            channel.put(StepMessage(obs), key=observation_key(self.rank, s))
         episodes: list[dict] = []
         wait_s = step_s = 0.0
-        keys = [("act", self.rank, s) for _ in range(num_steps) for s in range(len(self.envs))]
+        keys = [action_key(self.rank, s) for _ in range(num_steps) for s in range(len(self.envs))]
         actions_in = InOrder(channel, keys)  # the next micro-batch's actions are requested while this one steps
         for _ in range(num_steps):
             for s, env in enumerate(self.envs):
@@ -91,7 +92,7 @@ class EnvWorker(Worker):
                 step_s += time.perf_counter() - t1
                 for row in episode_rows(result.info["episode"], result.done, result.info.get("error")):
                     episodes.append({**row, "env": row["env"] + s * self.stage_size})
-                channel.put(_message(result), key=("obs", self.rank, s))
+                channel.put(StepMessage.of(result), key=observation_key(self.rank, s))
                 self.obs[s] = result.obs
                 if on_step is not None:
                     on_step(s, result)
@@ -172,12 +173,3 @@ class _EpisodeFrames:
     def as_dict(self) -> dict:
         return {"frames": np.stack(self.frames), "rewards": self.rewards, "successes": self.successes}
 
-
-def _message(result) -> dict:
-    return {
-        "obs": result.obs,
-        "reward": result.reward,
-        "terminated": result.terminated,
-        "truncated": result.truncated,
-        "final_obs": result.info["final_obs"] if bool(result.done.any()) else None,
-    }

@@ -1,9 +1,8 @@
 """RolloutWorker: runs policy inference for its env workers and assembles trajectories.
 
-It serves env ranks ``r`` with ``r % world_size == rank``, each cut into ``stages``
-micro-batches of ``stage_size`` envs (see EnvWorker). The trajectory it returns,
-micro-batches joined back in env order, is time-major: ``obs[k]: [T, B, ...]``, ``actions: [T, B, A]``,
-``logprobs / values / rewards / dones: [T, B]`` and ``next_value: [B]``.
+It serves the env ranks and micro-batches its :class:`~scheduler.layout.BatchLayout` names
+(``layout.streams(rank, world_size)``). The :class:`~envs.messages.Trajectory` it returns has
+the micro-batches joined back in env order.
 """
 
 from __future__ import annotations
@@ -12,11 +11,13 @@ import time
 
 import torch
 
-from embodied.registry import Registry
+from envs.common import Registry
+from envs.messages import StepMessage, Trajectory
 from envs.seeds import Purpose, RunSeeds, episode_noise_seed
 from policies.base import set_batch_invariant
 from policies.registry import make_policy
-from scheduler.channel import Channel, InOrder
+from scheduler.channel import Channel, InOrder, action_key, observation_key
+from scheduler.layout import BatchLayout
 from scheduler.offload import DeviceState
 from scheduler.weight_sync import (
     SharedLayout,
@@ -37,18 +38,18 @@ BOOTSTRAP_MASKS.update({
 
 
 class RolloutWorker(Worker):
-    def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int,
-                 num_env_workers: int, envs_per_worker: int, seed: int, stages: int = 1, **kwargs):
+    def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int, layout: BatchLayout, seed: int,
+                 **kwargs):
         super().__init__(**kwargs)
         self.cfg = algorithm_cfg
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device).eval()
         # micro-batches must get the actions the whole batch would: same kernels per row ...
         set_batch_invariant(self.policy)
         self.device_state = DeviceState(self.policy)
-        self.env_ranks = [r for r in range(num_env_workers) if r % self.world_size == self.rank]
-        self.streams = [(r, s) for r in self.env_ranks for s in range(stages)]
-        self.stage_size = envs_per_worker // stages
-        self.action_shape = (envs_per_worker, self.policy.noise_dim)
+        self.layout = layout
+        self.streams = layout.streams(self.rank, self.world_size)
+        self.env_ranks = sorted({r for r, _ in self.streams})
+        self.action_shape = (layout.envs_per_worker, self.policy.noise_dim)
         # ... and the same noise: one generator per env rank, one draw per step for its whole slice
         seeds = RunSeeds(seed)
         self.generators = {r: torch.Generator().manual_seed(seeds.generator(Purpose.ROLLOUT_NOISE, r))
@@ -85,7 +86,7 @@ class RolloutWorker(Worker):
     def _noise(self, env_rank: int, stage: int, step_noise: dict) -> torch.Tensor:
         if stage == 0:
             step_noise[env_rank] = torch.randn(self.action_shape, generator=self.generators[env_rank])
-        return step_noise[env_rank][stage * self.stage_size:(stage + 1) * self.stage_size]
+        return step_noise[env_rank][self.layout.stage_slice(stage)]
 
     def _act(self, obs: dict, deterministic: bool, noise: torch.Tensor):
         actions, logprob, value = self.policy.act(self._obs(obs), deterministic=deterministic, noise=noise)
@@ -93,7 +94,7 @@ class RolloutWorker(Worker):
         # the policy's own ``actions`` are what was scored
         return actions, logprob, value, self.policy.to_env(actions).cpu()
 
-    def _get(self, incoming: InOrder) -> dict:
+    def _get(self, incoming: InOrder) -> StepMessage:
         """Wait for the next micro-batch; the time until the next ``_get`` counts as busy (``infer``)."""
         t0 = time.perf_counter()
         self._end_busy()
@@ -109,7 +110,7 @@ class RolloutWorker(Worker):
 
     def _observations(self, channel: Channel, num_steps: int) -> InOrder:
         """The ``num_steps + 1`` observation messages of every served micro-batch, in serving order."""
-        return InOrder(channel, [("obs", r, s) for _ in range(num_steps + 1) for r, s in self.streams])
+        return InOrder(channel, [observation_key(r, s) for _ in range(num_steps + 1) for r, s in self.streams])
 
     def _start_timing(self) -> None:
         self.trace = []
@@ -128,7 +129,7 @@ class RolloutWorker(Worker):
         return self.times
 
     @torch.no_grad()
-    def collect(self, num_steps: int, channel: Channel) -> dict:
+    def collect(self, num_steps: int, channel: Channel) -> Trajectory:
         """Drive ``num_steps`` env steps on each served micro-batch; returns the trajectory."""
         self._start_timing()
         buffers = {stream: _empty_buffer() for stream in self.streams}
@@ -140,29 +141,29 @@ class RolloutWorker(Worker):
                 buf = buffers[env_rank, stage]
                 if t > 0:
                     buf["rewards"].append(self._bootstrapped_reward(msg))
-                    buf["dones"].append(msg["terminated"] | msg["truncated"])
+                    buf["dones"].append(msg.done)
                 if t == num_steps:
-                    buf["next_value"] = self.policy.value(self._obs(msg["obs"])).cpu()
+                    buf["next_value"] = self.policy.value(self._obs(msg.obs)).cpu()
                     continue
                 noise = self._noise(env_rank, stage, step_noise)
-                actions, logprob, value, env_actions = self._act(msg["obs"], False, noise)
-                channel.put(env_actions, key=("act", env_rank, stage))
-                for k, v in msg["obs"].items():
+                actions, logprob, value, env_actions = self._act(msg.obs, False, noise)
+                channel.put(env_actions, key=action_key(env_rank, stage))
+                for k, v in msg.obs.items():
                     buf["obs"].setdefault(k, []).append(v)
                 buf["actions"].append(actions.cpu())
                 buf["logprobs"].append(logprob.cpu())
                 buf["values"].append(value.cpu())
         self._stop_timing()
-        return merge_trajectories([_stack(buffers[stream]) for stream in self.streams])
+        return Trajectory.concat([_stack(buffers[stream]) for stream in self.streams])
 
-    def _bootstrapped_reward(self, msg: dict) -> torch.Tensor:
+    def _bootstrapped_reward(self, msg: StepMessage) -> torch.Tensor:
         """Where an episode ended only because the env was reset (a time limit, or with
         ``bootstrap=all_ends`` also a success), add ``gamma * V(final_obs)`` so the cut
         does not read as a zero-value terminal state."""
-        reward = msg["reward"].clone()
-        cut = BOOTSTRAP_MASKS.get(self.cfg.bootstrap)(msg["terminated"], msg["truncated"])
+        reward = msg.reward.clone()
+        cut = BOOTSTRAP_MASKS.get(self.cfg.bootstrap)(msg.terminated, msg.truncated)
         if bool(cut.any()):
-            final_value = self.policy.value(self._obs(msg["final_obs"])).cpu()
+            final_value = self.policy.value(self._obs(msg.final_obs)).cpu()
             reward[cut] += self.cfg.gamma * final_value[cut]
         return reward
 
@@ -175,7 +176,7 @@ class RolloutWorker(Worker):
         self._start_timing()
         incoming = self._observations(channel, num_steps)
         noise_of = {(r, s): [torch.Generator().manual_seed(episode_noise_seed(seed))
-                             for seed in episode_seeds[r][s * self.stage_size:(s + 1) * self.stage_size]]
+                             for seed in episode_seeds[r][self.layout.stage_slice(s)]]
                     for r, s in self.streams}
         for t in range(num_steps + 1):
             for env_rank, stage in self.streams:
@@ -183,7 +184,7 @@ class RolloutWorker(Worker):
                 if t < num_steps:
                     noise = torch.stack([torch.randn(self.action_shape[1:], generator=g)
                                          for g in noise_of[env_rank, stage]])
-                    channel.put(self._act(msg["obs"], deterministic, noise)[3], key=("act", env_rank, stage))
+                    channel.put(self._act(msg.obs, deterministic, noise)[3], key=action_key(env_rank, stage))
         self._stop_timing()
 
 
@@ -191,19 +192,6 @@ def _empty_buffer() -> dict:
     return {"obs": {}, "actions": [], "logprobs": [], "values": [], "rewards": [], "dones": []}
 
 
-def _stack(buf: dict) -> dict:
-    out = {k: torch.stack(buf[k]) for k in ("actions", "logprobs", "values", "rewards", "dones")}
-    out["obs"] = {k: torch.stack(v) for k, v in buf["obs"].items()}
-    out["next_value"] = buf["next_value"]
-    return out
-
-
-def merge_trajectories(parts: list[dict]) -> dict:
-    """Concatenate time-major trajectories along the batch axis (dim 1; dim 0 for next_value)."""
-    if len(parts) == 1:
-        return parts[0]
-    out = {k: torch.cat([p[k] for p in parts], dim=1)
-           for k in ("actions", "logprobs", "values", "rewards", "dones")}
-    out["obs"] = {k: torch.cat([p["obs"][k] for p in parts], dim=1) for k in parts[0]["obs"]}
-    out["next_value"] = torch.cat([p["next_value"] for p in parts], dim=0)
-    return out
+def _stack(buf: dict) -> Trajectory:
+    stacked = {k: torch.stack(buf[k]) for k in ("actions", "logprobs", "values", "rewards", "dones")}
+    return Trajectory(obs={k: torch.stack(v) for k, v in buf["obs"].items()}, next_value=buf["next_value"], **stacked)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from envs.common import unknown_name_error
+
 MODES = ("last_ids", "added")
 
 
@@ -69,8 +71,6 @@ class ActionTokenizer:
     def __init__(self, stats: ActionStats, n_bins: int = 256, mode: str = "last_ids",
                  vocab_size: int | None = None, first_id: int | None = None):
         if mode not in MODES:
-            from embodied.errors import unknown_name_error
-
             raise unknown_name_error("action token mode", mode, list(MODES))
         if mode == "last_ids":
             self.action_ids = vocab_size - 1 - torch.arange(n_bins)

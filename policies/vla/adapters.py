@@ -2,7 +2,8 @@
 
 A published VLA checkpoint only reproduces its numbers when it sees frames prepared as its
 training data was, and when its actions are post-processed as its authors' eval script does.
-:class:`InputAdapter` holds those settings (``policy.mirror_images``, ``dataset_resize``, ``center_crop``, ``gripper``; each family's
+:class:`InputAdapter` holds those settings (``policy.mirror_images``, ``dataset_resize``, ``center_crop``,
+``gripper``; each family's
 policy config file sets them, docs/vla_checkpoints.md lists which), applied in the policy, so
 training rollouts, evaluation and recording all see the same inputs:
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from envs.common import UserError, unknown_name_error
 from policies.vla import image_ops
 
 
@@ -48,12 +50,8 @@ class InputAdapter:
     def from_config(cls, cfg) -> InputAdapter:
         """The policy config's adapter fields; an unknown gripper mode or a crop outside (0, 1] is a UserError."""
         if cfg.gripper not in GRIPPERS:
-            from embodied.errors import unknown_name_error
-
             raise unknown_name_error("gripper post-processing (policy.gripper)", cfg.gripper, list(GRIPPERS))
         if cfg.center_crop is not None and not 0.0 < cfg.center_crop <= 1.0:
-            from embodied.errors import UserError
-
             raise UserError(f"policy.center_crop={cfg.center_crop}: the kept fraction of the image area is "
                             "in (0, 1] (OpenVLA's LIBERO checkpoints: 0.9), or null for no crop.")
         return cls(bool(cfg.mirror_images), cfg.dataset_resize, cfg.center_crop, cfg.gripper)

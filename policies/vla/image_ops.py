@@ -76,7 +76,8 @@ def _spans(output_size: int, input_size: int) -> tuple[np.ndarray, np.ndarray]:
         sample = (np.float32(x) + np.float32(0.5)) * inv_scale
         start = min(max(int(np.ceil(sample - reach - np.float32(0.5))), 0), input_size - 1)
         end = min(max(int(np.floor(sample + reach - np.float32(0.5))), 0), input_size - 1) + 1
-        positions = (np.arange(start, end, dtype=np.float32) + np.float32(0.5) - sample) * (np.float32(1.0) / kernel_scale)
+        inverse_scale = np.float32(1.0) / kernel_scale
+        positions = (np.arange(start, end, dtype=np.float32) + np.float32(0.5) - sample) * inverse_scale
         w = _lanczos3(positions)
         total = np.float32(0.0)
         for value in w:  # sequential float32 sum, as the C++ loop adds them

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from policies.registry import POLICIES
+from envs.common import UserError
+from policies.base import POLICIES
 from policies.vla.policy import OpenVLAPolicy, dataset_statistics
 
 STOP_TOKEN_ID = 2  # Llama's </s>: OFT's STOP_INDEX
@@ -86,8 +87,6 @@ def component_file(model_dir: str | Path, name: str) -> Path | None:
     """OFT's ``find_checkpoint_file``: the one ``{name}--*checkpoint.pt`` in ``model_dir`` (None if none)."""
     matches = sorted(p for p in Path(model_dir).glob(f"{name}*checkpoint.pt"))
     if len(matches) > 1:
-        from embodied.errors import UserError
-
         raise UserError(f"{model_dir} holds {len(matches)} {name} files ({[p.name for p in matches]}); OFT's loader "
                         "takes exactly one. Keep the one from the training step you evaluate.")
     return matches[0] if matches else None
@@ -100,8 +99,6 @@ def load_component(module: nn.Module, path: Path) -> None:
     try:
         module.load_state_dict(state)
     except RuntimeError as err:
-        from embodied.errors import UserError
-
         raise UserError(f"{path} does not fit this model ({str(err).splitlines()[0]}): it belongs to a checkpoint "
                         "of another size. Copy the component files of the same checkpoint as config.json.") from err
 
@@ -138,8 +135,6 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         self.proprio_projector, self.proprio_q = None, None
         if cfg.proprio:
             if "state" not in obs_spec:
-                from embodied.errors import UserError
-
                 raise UserError("policy.proprio=true needs a `state` observation; this env has none "
                                 f"(it has {sorted(obs_spec)}). Set policy.proprio=false.")
             self.proprio_projector = ProprioProjector(obs_spec["state"][0][0], hidden).to(dtype)

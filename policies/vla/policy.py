@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from policies.registry import POLICIES
+from envs.common import UserError, unknown_name_error
+from policies.base import POLICIES, Policy
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.adapters import InputAdapter
 from policies.vla.openvla import PROMPT, OpenVLAForActionPrediction, tiny_config
@@ -57,7 +58,7 @@ class DecodeState:
     positions: torch.Tensor | None = None
 
 
-class TokenVLAPolicy(nn.Module):
+class TokenVLAPolicy(Policy):
     """Base of VLA policies that emit one token per action dimension.
 
     A subclass calls :meth:`_setup_rl` (action tokens, sampling settings, value head, LoRA)
@@ -66,6 +67,7 @@ class TokenVLAPolicy(nn.Module):
     """
 
     chunks = True  # policy.chunk_size actions per decision
+    token_actions = True
     critic_modules = ("value_head",)  # the backbone is the actor's: critic warm-up trains the head alone
 
     def _run(self, obs: dict[str, torch.Tensor], action_ids: torch.Tensor | None = None,
@@ -94,8 +96,6 @@ class TokenVLAPolicy(nn.Module):
         self.backend, self.generator = cfg.backend, None  # generator: the vLLM engine, once built
         self.adapter = InputAdapter.from_config(cfg)
         if cfg.backend not in GENERATION_BACKENDS:
-            from embodied.errors import unknown_name_error
-
             raise unknown_name_error("generation backend (policy.backend)", cfg.backend, GENERATION_BACKENDS)
         self.value_head = make_value_head(hidden).to(next(lora_target.parameters()).dtype)  # the backbone's
         if cfg.lora_rank:
@@ -227,8 +227,6 @@ class TokenVLAPolicy(nn.Module):
 def require_model_dir(path: str, hub_id: str) -> None:
     """A clear error for a ``policy.model_path`` that is not a saved model directory."""
     if not (Path(path) / "config.json").exists():
-        from embodied.errors import UserError
-
         raise UserError(f"policy.model_path={path} is not a model directory (no config.json there). Nothing is "
                         f"downloaded at run time: fetch {hub_id} on a machine with internet (`huggingface-cli "
                         f"download {hub_id} --local-dir {path}`), copy it here, or use a *_tiny policy config.")
@@ -253,8 +251,6 @@ def quiet_transformers():
 def load_strictly(model_class, model_dir: str, dtype: torch.dtype):
     """``model_class.from_pretrained`` that fails on any missing, unexpected or misshapen weight
     (transformers only warns, and a half-loaded VLA acts plausibly but wrongly)."""
-    from embodied.errors import UserError
-
     try:
         with quiet_transformers():
             model, info = model_class.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
@@ -276,15 +272,11 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def weights_dtype(name: str) -> torch.dtype:
     """``policy.dtype`` -> the torch dtype a checkpoint's weights are loaded in."""
     if name not in WEIGHT_DTYPES:
-        from embodied.errors import unknown_name_error
-
         raise unknown_name_error("weights dtype (policy.dtype)", name, list(WEIGHT_DTYPES))
     return WEIGHT_DTYPES[name]
 
 
 def require_images(obs_spec: dict, name: str, cameras: list[str] | tuple[str, ...] = ("rgb",)) -> None:
-    from embodied.errors import UserError
-
     if "rgb" not in obs_spec:
         raise UserError(f"policy={name} needs camera images: use an env with obs_mode: rgb.")
     missing = [c for c in cameras if c not in obs_spec]
@@ -305,8 +297,6 @@ EMPTY_PIECE = "\u2581"  # SentencePiece's word boundary on its own: id 29871 in 
 def check_model_files(model_dir: str, needs_processor: bool) -> None:
     """A UserError naming every file a checkpoint directory lacks: the weights (every shard its
     index names), a tokenizer and, for OpenVLA-style models, ``preprocessor_config.json``."""
-    from embodied.errors import UserError
-
     root = Path(model_dir)
     missing = []
     index = root / "model.safetensors.index.json"
@@ -329,8 +319,6 @@ def dataset_statistics(model_dir: str, norm_stats: dict | None, unnorm_key: str 
     """``(key, statistics)`` of the dataset ``policy.unnorm_key`` names (optional when there is one) in
     a checkpoint's ``dataset_statistics.json``, else in its config.json ``norm_stats`` (the file wins,
     as in OpenVLA); None when it has neither. A key it lacks is a UserError."""
-    from embodied.errors import UserError
-
     path = Path(model_dir) / STATS_FILE
     stats = json.loads(path.read_text()) if path.exists() else norm_stats
     if not stats:
@@ -348,8 +336,6 @@ def checkpoint_action_stats(model_dir: str, norm_stats: dict | None, unnorm_key:
                             action_dim: int) -> ActionStats:
     """The q01 / q99 action statistics a real OpenVLA checkpoint was trained with
     (:func:`dataset_statistics`); none there: actions in [-1, 1]. Another action size is a UserError."""
-    from embodied.errors import UserError
-
     found = dataset_statistics(model_dir, norm_stats, unnorm_key)
     if found is None:
         return ActionStats.identity(action_dim)

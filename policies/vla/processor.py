@@ -24,6 +24,8 @@ from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from envs.common import UserError
+
 PREPROCESSOR_FILE = "preprocessor_config.json"
 # timm's data configs of OpenVLA's two backbones (DINOv2: ImageNet; SigLIP: [0, 1] -> [-1, 1])
 DEFAULT_MEANS = ((0.485, 0.456, 0.406), (0.5, 0.5, 0.5))
@@ -79,8 +81,6 @@ class ImageProcessing:
         if not path.exists():
             return cls.default(size, backbones)
         saved = json.loads(path.read_text())
-        from embodied.errors import UserError
-
         strategy = saved.get("image_resize_strategy", "resize-naive")
         if strategy != "resize-naive" or saved.get("tvf_do_letterbox"):
             raise UserError(f"{path}: image_resize_strategy={strategy!r} is not supported (every public OpenVLA "
@@ -91,7 +91,8 @@ class ImageProcessing:
         except (KeyError, TypeError, ValueError) as err:
             raise UserError(f"{path} is not a PrismaticImageProcessor config ({err!r}): it needs tvf_resize_params, "
                             "tvf_crop_params and tvf_normalize_params per backbone, as OpenVLA's "
-                            "processing_prismatic.py saves them. Copy the file from the checkpoint you fine-tuned.") from err
+                            "processing_prismatic.py saves them. Copy the file from the checkpoint you "
+                            "fine-tuned.") from err
         if len(transforms) != backbones:
             raise UserError(f"{path} has {len(transforms)} backbone transforms; the model has {backbones} vision "
                             "backbones. The file belongs to another checkpoint.")

@@ -19,7 +19,7 @@ from transformers import (
 )
 from transformers.image_utils import SizeDict
 
-from policies.registry import POLICIES
+from policies.base import POLICIES
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.policy import (
     DecodeState,

@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from envs.common import UserError, unknown_name_error
+
 
 @dataclass(frozen=True)
 class ViTSpec:
@@ -49,13 +51,9 @@ def timm_spec(timm_id: str, image_size: int, overrides: dict | None = None) -> V
     """The ViT that ``timm.create_model(timm_id, img_size=image_size, **overrides)`` builds (the MLP
     width follows timm: ``int(embed_dim * mlp_ratio)``)."""
     if timm_id not in TIMM_VITS:
-        from embodied.errors import unknown_name_error
-
         raise unknown_name_error("timm vision backbone (config.json timm_model_ids)", timm_id, list(TIMM_VITS))
     unknown = sorted(set(overrides or {}) - set(TIMM_KWARGS))
     if unknown:
-        from embodied.errors import UserError
-
         raise UserError(f"config.json timm_overrides for {timm_id} sets {unknown}; only {sorted(TIMM_KWARGS)} "
                         "are understood. Remove the other keys.")
     fields = {TIMM_KWARGS[k]: v for k, v in (overrides or {}).items()}

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from PIL import Image
+
+from envs.common import UserError
 
 WORKER_EXTENSION = "policies.vla.vllm_backend.WeightLoader"
 
@@ -29,8 +32,6 @@ class WeightLoader:
 
 def require_vllm():
     """The ``vllm`` module, or a UserError that says how to get a setup that has it."""
-    from embodied.errors import UserError
-
     if not torch.cuda.is_available():
         raise UserError("policy.backend=vllm needs a CUDA GPU; this machine has none. Use policy.backend=hf.")
     try:
@@ -66,8 +67,6 @@ class VLLMGenerator:
     """Action tokens for a :class:`policies.vla.qwen_vl.QwenVLPolicy` from a vLLM engine."""
 
     def __init__(self, policy, memory_fraction: float = 0.3, seed: int = 0):
-        from embodied.errors import UserError
-
         if type(policy).__name__ != "QwenVLPolicy" or not policy.model_path:
             raise UserError("policy.backend=vllm runs the Qwen2.5-VL VLA from a model directory (policy=qwen_vl "
                             "with policy.model_path); OpenVLA models have no vLLM implementation: use backend=hf.")
@@ -88,8 +87,6 @@ class VLLMGenerator:
 
     def generate(self, obs: dict[str, torch.Tensor], deterministic: bool) -> torch.Tensor:
         """Sampled (or greedy) action bins ``[B, T]``, restricted to the action tokens."""
-        from PIL import Image
-
         if self.stale:
             self.load_weights()
         policy, tokens = self.policy, self.policy.noise_dim

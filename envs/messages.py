@@ -1,0 +1,91 @@
+"""What crosses a process boundary between workers, as typed dataclasses (Ray pickles them).
+
+- :class:`EnvSpec`: an env worker tells the driver what its envs look like.
+- :class:`StepMessage`: an env worker's micro-batch after a step, sent to its rollout worker.
+- :class:`Trajectory`: a rollout worker's time-major record of its envs, sent to the actor.
+
+Shapes: ``T`` decisions (a chunking policy's chunk is one decision), ``B`` envs, ``A`` the
+policy's action size. They live on the ground floor (``envs/``) because every layer reads
+them: the profiler (``scheduler/``) builds a trajectory to time an update on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from envs.base import Obs, StepResult
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """``obs_spec``: observation name -> (shape without the batch, dtype); ``action_dim``: the
+    env's action size; ``max_episode_steps``: in decisions (chunks, with action chunking)."""
+
+    obs_spec: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    action_dim: int
+    max_episode_steps: int
+
+
+@dataclass
+class StepMessage:
+    """One micro-batch of ``B`` envs after a step (or after the reset: ``reward`` and the flags
+    are None then).
+
+    ``obs``: ``[B, ...]`` per key, after auto-reset; ``reward``: float32 ``[B]``;
+    ``terminated`` / ``truncated``: bool ``[B]``; ``final_obs``: the finished episodes' last
+    observations (``[B, ...]`` per key, valid where done), None when no episode ended.
+    """
+
+    obs: Obs
+    reward: torch.Tensor | None = None
+    terminated: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    final_obs: Obs | None = None
+
+    @classmethod
+    def of(cls, result: StepResult) -> StepMessage:
+        final = result.info["final_obs"] if bool(result.done.any()) else None
+        return cls(result.obs, result.reward, result.terminated, result.truncated, final)
+
+    @property
+    def done(self) -> torch.Tensor:
+        return self.terminated | self.truncated
+
+
+@dataclass
+class Trajectory:
+    """``T`` decisions of ``B`` envs, time-major, as PPO trains on them.
+
+    ``obs``: ``[T, B, ...]`` per key; ``actions``: ``[T, B, A]`` (what the policy scored, before
+    ``to_env``); ``logprobs`` / ``values`` / ``rewards``: float ``[T, B]``; ``dones``: bool
+    ``[T, B]`` (the episode ended at this step); ``next_value``: ``[B]``, the value of the
+    observation after the last step.
+    """
+
+    obs: Obs
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor
+    dones: torch.Tensor
+    next_value: torch.Tensor
+
+    @property
+    def steps(self) -> int:
+        return self.actions.shape[0]
+
+    @property
+    def num_envs(self) -> int:
+        return self.actions.shape[1]
+
+    @classmethod
+    def concat(cls, parts: list[Trajectory]) -> Trajectory:
+        """Join trajectories of the same ``T`` along the env axis, in order."""
+        if len(parts) == 1:
+            return parts[0]
+        joined = {f.name: torch.cat([getattr(p, f.name) for p in parts], dim=1)
+                  for f in fields(cls) if f.name not in ("obs", "next_value")}
+        return cls(obs={k: torch.cat([p.obs[k] for p in parts], dim=1) for k in parts[0].obs},
+                   next_value=torch.cat([p.next_value for p in parts]), **joined)
