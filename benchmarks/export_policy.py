@@ -16,13 +16,13 @@ import argparse
 
 import torch
 
-from embodied.checkpoint import load_checkpoint
+from embodied.checkpoint import Progress, checkpoint_state, load_checkpoint
 
 
 def export(source: str, out: str) -> None:
     state = load_checkpoint(source)
-    small = {"actor": {"policy": state["actor"]["policy"]}, "config_yaml": state["config_yaml"],
-             "obs_spec": state["obs_spec"], "action_dim": state["action_dim"], "progress": state["progress"]}
+    small = checkpoint_state({"policy": state["actor"]["policy"]}, Progress(**state["progress"]), state["config_yaml"],
+                             state["obs_spec"], state["action_dim"])
     torch.save(small, out)
 
 

@@ -44,9 +44,9 @@ WORKLOADS = {
 
 def measure_plan(cfg, iterations: int) -> float:
     """Median seconds of an iteration (weight sync, rollout, PPO update) after one warm-up."""
-    from embodied.runner import Workers
+    from embodied.runner import start_workers
 
-    workers = Workers(cfg)
+    workers = start_workers(cfg)
     try:
         workers.reset_envs(iteration=0, sim_steps=0)
         times = []

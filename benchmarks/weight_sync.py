@@ -15,7 +15,7 @@ import statistics
 import time
 
 from embodied.config import compose
-from embodied.runner import Workers
+from embodied.runner import start_workers
 
 METHODS = ("shared_memory", "object_store", "broadcast")
 
@@ -26,7 +26,7 @@ def measure(method: str, hidden: int, repeats: int) -> dict:
         "placement.mode=hybrid", "placement.env=0", "placement.rollout=1", "placement.actor=0",
         f"placement.weight_sync={method}",
     ])
-    workers = Workers(cfg)
+    workers = start_workers(cfg)
     try:
         weights = workers.actor.call("get_weights")[0]
         megabytes = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6

@@ -1,4 +1,5 @@
-"""Atomic checkpoints: a crash (even SIGKILL) mid-save never leaves a corrupt or missing one.
+"""Checkpoints: one schema (:func:`checkpoint_state`), written atomically so a crash (even
+SIGKILL) mid-save never leaves a corrupt or missing one.
 
 Files: ``<run_dir>/checkpoints/ckpt_<iteration>.pt``, ``latest.json`` naming the
 newest and, with ``runner.eval_every``, ``best.pt`` (the best validation's weights). Each is written to a
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +20,34 @@ from envs.common import UserError
 
 KEEP = 3  # older checkpoints are pruned after a newer one is safely written
 BEST = "best.pt"  # runner.final_weights=best: the best periodic validation's weights
+
+
+@dataclass
+class Progress:
+    """Counters saved in every checkpoint so a resumed run continues where it stopped."""
+
+    iteration: int = 0
+    env_steps: int = 0
+    train_seconds: float = 0.0  # wall-clock of the training loop (evals and checkpoints included)
+    solved_at_seconds: float | None = None  # first periodic eval with success_once >= 0.9
+    best_eval_success: float | None = None  # the best periodic eval's success_once (checkpoints/best.pt)
+    best_iteration: int | None = None  # ... and the iteration it followed
+
+
+def checkpoint_state(actor: dict, progress: Progress, config_yaml: str, obs_spec: dict, action_dim: int,
+                     **extra) -> dict:
+    """The one checkpoint schema, a dict saved with ``torch.save``, that ``train`` (``resume=``,
+    ``checkpoint=`` warm starts), ``eval`` and ``record`` read:
+
+    - ``actor``: the ActorWorker's state (``policy`` weights; ``optimizer``, ``generator``,
+      ``torch_rng`` and the KL ``reference`` where training has them);
+    - ``progress``: :class:`Progress` as a dict;
+    - ``config_yaml``: the run's whole config (``embodied.config.to_yaml``);
+    - ``obs_spec`` / ``action_dim``: what the policy was built for;
+    - ``extra``: what a command adds (``sft``: its statistics).
+    """
+    return {"actor": actor, "progress": asdict(progress), "config_yaml": config_yaml, "obs_spec": obs_spec,
+            "action_dim": action_dim, **extra}
 
 
 def atomic_write(path: Path, write) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import math
@@ -83,7 +84,7 @@ def _removed_if_failed_empty(path: Path):
 
 def cmd_train(overrides: list[str], print_cfg: bool) -> int:
     from embodied.checkpoint import BEST, load_checkpoint, resolve_checkpoint
-    from embodied.evaluate import record_videos, recording_seeds, write_eval
+    from embodied.evaluate import write_eval, write_videos
     from embodied.run_dirs import claim_dir, file_away_final_eval, index_evaluation, protocol_digest
     from embodied.runner import Trainer
     from policies.registry import check_trainable
@@ -120,13 +121,9 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
         evaluated = (run_dir / "checkpoints" / BEST if summary["evaluated"]["weights"] == "best"
                      else resolve_checkpoint(run_dir))
         index_evaluation(run_dir, run_dir, summary, "train", str(evaluated), protocol_digest(cfg.eval, cfg.env, seeds))
-        policy = _policy_from_state(cfg, trainer.workers.obs_spec, trainer.workers.action_dim,
-                                    trainer.workers.actor_state()["policy"])
+        write_videos(run_dir / "videos", trainer.final_videos, summary["rows"], cfg.env)  # filmed during the eval
     finally:
         trainer.close()
-    if cfg.eval.video_episodes:
-        seeds = recording_seeds(cfg.env, cfg.eval, cfg.eval.video_episodes)
-        record_videos(policy, cfg.env, seeds, run_dir / "videos", cfg.eval.deterministic)
     t, weights = summary["training"], summary["evaluated"]
     print(table)
     print(f"trained {t['env_steps']} env steps in {t['train_minutes']:.1f} min "
@@ -134,14 +131,6 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
           f"{weights['iteration']}) over {summary['episodes']} episodes: success_once {summary['success_once']:.3f}")
     print(run_dir.resolve())
     return 0
-
-
-def _policy_from_state(cfg, obs_spec, action_dim, weights):
-    from policies.registry import make_policy
-
-    policy = make_policy(cfg.policy, obs_spec, action_dim)
-    policy.load_state_dict(weights)
-    return policy.eval()
 
 
 def _checkpointed(overrides: list[str]):
@@ -176,9 +165,9 @@ def _out_dir(cfg, ckpt_path: Path | None, kind: str, name: str) -> Path:
 def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[int] = frozenset()):
     """Evaluate ``actor_state`` (None: the policy as built) on ``seeds`` with fresh workers.
     Returns ``(rows, videos, max episode steps)`` (simulator steps, chunks counted in full)."""
-    from embodied.runner import Workers
+    from embodied.runner import start_workers
 
-    workers = Workers(cfg)
+    workers = start_workers(cfg)
     try:
         if actor_state is not None:
             workers.load_actor_state(actor_state, weights_only=True)
@@ -191,7 +180,7 @@ def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[i
 def cmd_eval(overrides: list[str]) -> int:
     """Run the env backend's evaluation protocol; without a checkpoint, the policy as built
     (``policy=random``: the random baseline). Writes eval.json, eval.md and videos/."""
-    from embodied.evaluate import summarize, video_episodes, write_episode_video, write_eval
+    from embodied.evaluate import summarize, video_episodes, write_eval, write_videos
     from embodied.run_dirs import index_evaluation, protocol_digest, run_of_checkpoint
 
     cfg, state, path = _checkpointed(overrides)
@@ -216,11 +205,7 @@ def cmd_eval(overrides: list[str]) -> int:
     run = run_of_checkpoint(path) if path else None
     if run is not None:
         index_evaluation(run, out_dir, summary, "eval", str(path), digest)
-    for k, video in sorted(videos.items()):
-        row = rows[k]
-        index, name = seed_scheme(cfg.env).task_of(cfg.env, row["seed"])
-        write_episode_video(out_dir / "videos" / f"task_{index:03d}_episode_{k}_seed_{row['seed']}.mp4", video,
-                            caption=name.replace("_", " "))
+    write_videos(out_dir / "videos", videos, rows, cfg.env)
     print(table)
     print(f"{len(rows)} episodes in {wall_s:.0f} s ({env_steps / wall_s:.1f} env-steps/s with "
           f"{cfg.env.num_envs} envs); {len(videos)} videos in {out_dir / 'videos'}")
@@ -244,24 +229,34 @@ def cmd_evals(overrides: list[str]) -> int:
 
 
 def cmd_record(overrides: list[str]) -> int:
-    from embodied.evaluate import record_videos, recording_seeds
-    from policies.registry import check_policy_config
+    """Film ``eval.video_episodes`` of the protocol's episodes (each task's first, then the
+    protocol's order) through the evaluation's own path: the same workers, resets and noise, so a
+    video shows exactly the episode ``eval`` scores. Without a checkpoint: ``policy.model_path``'s
+    model as built (e.g. a public checkpoint), or with neither, uniform random actions."""
+    from embodied.evaluate import recording_episodes, write_videos
 
     cfg, state, path = _checkpointed(overrides)
-    policy, as_built = None, None
-    if state is not None:
-        policy = _policy_from_state(cfg, state["obs_spec"], state["action_dim"], state["actor"]["policy"])
-    elif cfg.policy.model_path:  # no run checkpoint, but a model directory (a public checkpoint): film it
-        check_env_config(cfg.env)
-        check_policy_config(cfg.policy, env_action_dim(cfg.env))
-        as_built = cfg.policy
+    check_env_config(cfg.env)
+    protocol = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
+    seeds = [protocol[k] for k in recording_episodes(protocol, cfg.env, max(cfg.eval.video_episodes, 1))]
+    if state is None and not cfg.policy.model_path:  # nothing trained to film: the random baseline
+        print("note: no checkpoint or policy.model_path given: filming uniform random actions", file=sys.stderr)
+        cfg.policy = dataclasses.replace(cfg.policy, name="random", chunk_size=1)
     out_dir = _out_dir(cfg, path, "records", path.stem if path else "untrained")
-    episodes = max(cfg.eval.video_episodes, 1)
-    seeds = recording_seeds(cfg.env, cfg.eval, episodes)
-    for video in record_videos(policy, cfg.env, seeds, out_dir, cfg.eval.deterministic, policy_cfg=as_built):
+    with _removed_if_failed_empty(out_dir):
+        rows, videos, _ = _run_protocol(_filming(cfg, len(seeds)), state["actor"] if state else None, seeds,
+                                        record=set(range(len(seeds))))
+    for video in write_videos(out_dir, videos, rows, cfg.env):
         print(video.resolve())
     print(out_dir.resolve())
     return 0
+
+
+def _filming(cfg, episodes: int):
+    """``cfg`` with just enough envs for ``episodes`` (a training config's 128 envs would all run)."""
+    per_round = cfg.placement.env_workers * cfg.placement.pipeline_stages
+    num_envs = per_round * math.ceil(episodes / per_round)
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, num_envs=num_envs))
 
 
 def cmd_sft(overrides: list[str]) -> int:

@@ -19,11 +19,9 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from embodied.checkpoint import atomic_write
-from envs.registry import make_vec_env, seed_scheme
-from envs.seeds import episode_noise_seed
+from envs.registry import seed_scheme
 from envs.video import VideoRecorder
 
 Z95 = 1.959964  # two-sided 95% normal quantile
@@ -165,53 +163,21 @@ def write_episode_video(path: Path, video: dict, caption: str = "", min_height: 
     return recorder.save()
 
 
-def recording_seeds(env_cfg, eval_cfg, episodes: int) -> list[int]:
-    """``episodes`` seeds of the evaluation protocol to record: one per task first (LIBERO's
-    first tasks' first init states), then the protocol's order (ManiSkill: eval.seed + k)."""
-    seeds = seed_scheme(env_cfg).eval_seeds(env_cfg, eval_cfg)
+def recording_episodes(seeds: list[int], env_cfg, count: int) -> list[int]:
+    """Indices of ``count`` of the protocol's ``seeds`` to film: each task's first episode first
+    (LIBERO's first tasks' first init states), then the protocol's order (ManiSkill: eval.seed + k)."""
     firsts = video_episodes(seeds, env_cfg, per_task=1)
-    order = sorted(firsts) + [k for k in range(len(seeds)) if k not in firsts]
-    return [seeds[k] for k in order[:episodes]]
+    return (sorted(firsts) + [k for k in range(len(seeds)) if k not in firsts])[:count]
 
 
-@torch.no_grad()
-def record_videos(policy, env_cfg, seeds: list[int], out_dir: Path, deterministic: bool = True,
-                  policy_cfg=None) -> list[Path]:
-    """Record one full-length episode per seed (``policy=None``: ``policy_cfg``'s policy as built,
-    e.g. a public checkpoint's ``model_path``; neither: uniform random actions).
-
-    One mp4 per episode, ``<out_dir>/episode_<k>_seed_<s>.mp4``, rendered in this process.
-    """
-    from policies.registry import make_policy
-
-    env = make_vec_env(env_cfg, num_envs=1, num_procs=0)
-    if policy is None and policy_cfg is not None:
-        policy = make_policy(policy_cfg, env.obs_spec, env.action_dim).eval()
-    env.set_ignore_terminations(True)
-    paths = []
-    try:
-        for k, episode_seed in enumerate(seeds):
-            # the evaluation's episode exactly: a rebuilt scene, the episode's own noise
-            obs, _ = env.reset(seed=episode_seed, reconfigure=True)
-            generator = torch.Generator().manual_seed(episode_noise_seed(episode_seed))
-            video = VideoRecorder(out_dir / f"episode_{k}_seed_{episode_seed}.mp4")
-            reward, success = None, False
-            # frame t shows the scene after t steps; the env auto-resets after its last
-            # step, so that final scene is not rendered
-            planned: list[torch.Tensor] = []  # what is left of the policy's action chunk
-            for step in range(env.max_episode_steps):
-                video.add(env.render(0), step=step, reward=reward, success=success)
-                if policy is None:
-                    planned = [torch.rand(1, env.action_dim, generator=generator) * 2 - 1]
-                elif not planned:
-                    noise = torch.randn(1, policy.noise_dim, generator=generator)  # as serve_eval draws it
-                    actions = policy.to_env(policy.act(obs, deterministic=deterministic, noise=noise)[0])
-                    planned = list((actions if actions.dim() == 3 else actions[:, None]).unbind(1))
-                result = env.step(planned.pop(0))
-                reward, success = float(result.reward[0]), bool(result.info["success"][0])
-                obs = result.obs
-            paths.append(video.save())
-    finally:
-        env.close()
+def write_videos(out_dir: Path, videos: dict[int, dict], rows: list[dict], env_cfg) -> list[Path]:
+    """Every video an evaluation recorded (episode index -> :meth:`EnvWorker.evaluate`'s frames),
+    as ``<out_dir>/task_<t>_episode_<k>_seed_<s>.mp4`` captioned with its task; ``rows[k]`` is
+    episode ``k``'s row. The one video writer of ``eval``, ``train`` and ``record``."""
+    scheme, paths = seed_scheme(env_cfg), []
+    for k, video in sorted(videos.items()):
+        seed = rows[k]["seed"]
+        index, name = scheme.task_of(env_cfg, seed)
+        paths.append(write_episode_video(out_dir / f"task_{index:03d}_episode_{k}_seed_{seed}.mp4", video,
+                                         caption=name.replace("_", " ")))
     return paths
-

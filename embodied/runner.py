@@ -11,81 +11,55 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from embodied.algorithms.advantages import ADVANTAGES, GRPO_WEIGHTINGS, OUTCOME_ADVANTAGES
-from embodied.algorithms.logprob_levels import LOGPROB_LEVELS
-from embodied.algorithms.losses import LOSSES
+from embodied.algorithms.advantages import OUTCOME_ADVANTAGES
 from embodied.algorithms.ppo import ppo_update
-from embodied.checkpoint import BEST, load_checkpoint, save_best_checkpoint, save_checkpoint
+from embodied.checkpoint import (
+    BEST,
+    Progress,
+    checkpoint_state,
+    load_checkpoint,
+    save_best_checkpoint,
+    save_checkpoint,
+)
+from embodied.checks import check_run_config
 from embodied.config import TrainConfig, to_yaml
-from embodied.evaluate import summarize
+from embodied.evaluate import recording_episodes, summarize
 from embodied.run_logger import RunLogger
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
-from embodied.workers.rollout_worker import BOOTSTRAP_MASKS, RolloutWorker
-from envs.common import UserError, unknown_name_error
+from embodied.workers.rollout_worker import RolloutWorker
+from envs.common import UserError
 from envs.messages import EnvSpec
 from envs.registry import (
-    check_env_config,
-    env_action_dim,
     seed_scheme,
     training_reset_seeds,
     validation_seeds,
 )
 from envs.seeds import AutoResets, RunSeeds
 from envs.subproc import EnvCrashedError
-from policies.registry import check_policy_config
 from scheduler.auto import AutoPlan, auto_placement
 from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.context_switch import ContextSwitcher
 from scheduler.layout import BatchLayout
-from scheduler.placement import check_placement, make_plan
+from scheduler.placement import ClusterDevices, make_plan
 from scheduler.profiler import StageRunners
 from scheduler.worker import WorkerGroup, wait_ready
-
-
-@dataclass
-class Progress:
-    """Counters saved in every checkpoint so a resumed run continues where it stopped."""
-
-    iteration: int = 0
-    env_steps: int = 0
-    train_seconds: float = 0.0  # wall-clock of the training loop (evals and checkpoints included)
-    solved_at_seconds: float | None = None  # first periodic eval with success_once >= 0.9
-    best_eval_success: float | None = None  # the best periodic eval's success_once (checkpoints/best.pt)
-    best_iteration: int | None = None  # ... and the iteration it followed
 
 
 class Workers:
     """The three worker groups of a run, the channel between env and rollout workers,
     weight sync and context switching."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, devices: ClusterDevices, auto: AutoPlan | None = None):
+        """Start the groups of a checked config on a running cluster's ``devices`` (see
+        :func:`start_workers`); ``auto``: the plan ``placement.mode=auto`` chose, if it did."""
         self.cfg = cfg
-        # bad names fail here, in seconds, before any worker starts
-        check_env_config(cfg.env)
-        seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)  # eval.tasks is checked now, not after training
-        check_policy_config(cfg.policy, env_action_dim(cfg.env))
-        for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
-                               (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap),
-                               (LOGPROB_LEVELS, cfg.algorithm.logprob_level),
-                               (GRPO_WEIGHTINGS, cfg.algorithm.grpo_weighting)):
-            registry.get(name)
-        check_placement(cfg.placement, cfg.env.num_envs)
-        _check_groups(cfg)
-        _check_final_weights(cfg)
-        _check_critic(cfg)
-        start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
-        devices = cluster_devices()
-        self.auto: AutoPlan | None = None
-        if cfg.placement.mode == "auto":  # profile (or read the cache), plan, and run the best plan
-            self.auto = auto_placement(cfg, len(devices.devices), devices.kind, STAGE_RUNNERS)
-            cfg.placement = self.auto.placement
+        self.auto = auto
         self.plan = plan = make_plan(cfg.placement, devices, num_envs=cfg.env.num_envs)
         threads = cfg.placement.torch_threads
         # with action chunks a step is a decision: chunk_size simulator steps
@@ -254,50 +228,22 @@ class Workers:
             group.shutdown()
 
 
-STAGE_RUNNERS = StageRunners(start_workers=Workers, update=ppo_update)  # what placement.mode=auto profiles
+def start_workers(cfg: TrainConfig) -> Workers:
+    """Check ``cfg`` (bad names and placements fail here, in seconds, before any worker starts),
+    start or join the Ray cluster, choose the placement (``placement.mode=auto``: profile, or
+    read the cached profile, plan, and write the chosen placement into ``cfg.placement``), then
+    start the worker groups."""
+    check_run_config(cfg)
+    start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
+    devices = cluster_devices()
+    auto = None
+    if cfg.placement.mode == "auto":
+        auto = auto_placement(cfg, len(devices.devices), devices.kind, STAGE_RUNNERS)
+        cfg.placement = auto.placement
+    return Workers(cfg, devices, auto)
 
 
-def _check_groups(cfg: TrainConfig) -> None:
-    """GRPO compares the envs of a group: at least two, all in one micro-batch."""
-    algo = cfg.algorithm
-    if algo.advantage not in OUTCOME_ADVANTAGES or cfg.placement.mode == "auto":  # auto: the planner checks
-        return
-    micro_batch = cfg.env.num_envs // (cfg.placement.env_workers * cfg.placement.pipeline_stages)
-    if algo.group_size < 2 or micro_batch % algo.group_size:
-        raise UserError(f"algorithm.group_size={algo.group_size}: GRPO compares the envs of a group, so it "
-                        f"needs at least 2 per group, and groups must not span env workers or pipeline "
-                        f"stages ({micro_batch} envs each here). Pick a group size >= 2 that divides {micro_batch}.")
-
-
-def _check_final_weights(cfg: TrainConfig) -> None:
-    """``runner.final_weights=best`` picks among periodic validations: there must be some."""
-    choice = cfg.runner.final_weights
-    if choice not in ("last", "best"):
-        raise unknown_name_error("final weights (runner.final_weights)", choice, ["last", "best"])
-    if choice == "best" and not cfg.runner.eval_every:
-        raise UserError("runner.final_weights=best keeps the weights of the best periodic validation, but "
-                        "runner.eval_every=0 runs none. Set runner.eval_every=N (validate every N iterations) "
-                        "or runner.final_weights=last.")
-
-
-def _check_critic(cfg: TrainConfig) -> None:
-    """Critic warm-up trains a value function (GRPO, vf_coef 0, has none); critic_lr is a rate;
-    kl_coef a weight."""
-    algo = cfg.algorithm
-    if algo.critic_warmup_iterations < 0:
-        raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations}: it counts "
-                        "updates, so it must be 0 (no warm-up) or more.")
-    if algo.critic_lr is not None and algo.critic_lr <= 0:
-        raise UserError(f"algorithm.critic_lr={algo.critic_lr}: a learning rate must be > 0 "
-                        "(or null: the critic learns at algorithm.lr).")
-    if algo.kl_coef < 0:
-        raise UserError(f"algorithm.kl_coef={algo.kl_coef}: a penalty weight must be >= 0 "
-                        "(0: no KL term; GRPO papers use 0.001-0.04).")
-    if algo.critic_warmup_iterations and (algo.vf_coef == 0 or algo.advantage in OUTCOME_ADVANTAGES):
-        raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations} trains only the "
-                        f"value function, but algorithm={algo.name} (advantage {algo.advantage}, vf_coef "
-                        f"{algo.vf_coef}) uses none: those updates would change nothing. Set "
-                        "algorithm.critic_warmup_iterations=0, or use PPO (algorithm=ppo).")
+STAGE_RUNNERS = StageRunners(start_workers=start_workers, update=ppo_update)  # what placement.mode=auto profiles
 
 
 def _check_episode_fits(cfg: TrainConfig, rollout_steps: int, max_episode_steps: int) -> None:
@@ -320,7 +266,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = run_dir
         self.progress = Progress(**resume_from["progress"]) if resume_from else Progress()
-        self.workers = Workers(cfg)  # validates names and placement before anything is written
+        self.workers = start_workers(cfg)  # checks names and placement before anything is written
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         if resume_from:
@@ -339,16 +285,12 @@ class Trainer:
             self.log.note("placement", f"auto, from {auto.profile_path}:\n{auto.choice.markdown(limit=12)}")
         self.log.note("placement", self.workers.plan.describe())
         self.iteration_seconds: list[float] = []
+        self.final_videos: dict[int, dict] = {}  # what final_eval filmed: episode index -> frames
 
     # -- checkpoints ------------------------------------------------------------
     def _state(self) -> dict:
-        return {
-            "actor": self.workers.actor_state(),
-            "progress": asdict(self.progress),
-            "config_yaml": to_yaml(self.cfg),
-            "obs_spec": self.workers.obs_spec,
-            "action_dim": self.workers.action_dim,
-        }
+        return checkpoint_state(self.workers.actor_state(), self.progress, to_yaml(self.cfg), self.workers.obs_spec,
+                                self.workers.action_dim)
 
     def save(self) -> Path:
         return save_checkpoint(self.run_dir, self.progress.iteration, self._state())
@@ -466,10 +408,14 @@ class Trainer:
         return success
 
     def final_eval(self) -> dict:
-        """Evaluate the ``runner.final_weights`` weights (they stay loaded: train records their videos)."""
+        """Evaluate the ``runner.final_weights`` weights on the protocol's episodes, filming
+        ``eval.video_episodes`` of them as they run (kept in ``final_videos``: episode index ->
+        frames)."""
         cfg = self.cfg
         weights = self._load_final_weights()
-        rows, _ = self.workers.evaluate(seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval), cfg.eval.deterministic)
+        seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
+        record = set(recording_episodes(seeds, cfg.env, cfg.eval.video_episodes))
+        rows, self.final_videos = self.workers.evaluate(seeds, cfg.eval.deterministic, record)
         summary = summarize(rows, cfg.env, cfg.eval.tasks)
         summary["evaluated"] = weights
         summary["training"] = {

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from embodied.checkpoint import save_checkpoint
+from embodied.checkpoint import Progress, checkpoint_state, save_checkpoint
 from embodied.config import TrainConfig, to_yaml
 from embodied.run_logger import RunLogger
-from embodied.runner import Progress
 from envs.common import UserError
 from envs.demos import Demos, generate_demos
 from envs.registry import env_action_dim
@@ -102,14 +101,10 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
         stats = {f"sft/{k}": v for k, v in totals.items()}
         log.scalars(stats, (epoch + 1) * len(demos))
     log.close()
-    state = {
-        "actor": {"policy": policy.state_dict(), "optimizer": optimizer.state_dict(),
-                  "generator": generator.get_state(), "torch_rng": torch.get_rng_state()},
-        "progress": asdict(Progress()),  # RL has not started: `train checkpoint=` warm-starts from here
-        "config_yaml": to_yaml(cfg),
-        "obs_spec": obs_spec,
-        "action_dim": demos.actions.shape[-1],
-        "sft": {**stats, "demos": len(demos.seeds), "steps": len(demos), **asdict(cfg.sft)},
-    }
+    actor = {"policy": policy.state_dict(), "optimizer": optimizer.state_dict(),
+             "generator": generator.get_state(), "torch_rng": torch.get_rng_state()}
+    # RL has not started (Progress at zero): `train checkpoint=` warm-starts from here
+    state = checkpoint_state(actor, Progress(), to_yaml(cfg), obs_spec, demos.actions.shape[-1],
+                             sft={**stats, "demos": len(demos.seeds), "steps": len(demos), **asdict(cfg.sft)})
     save_checkpoint(run_dir, 0, state)
     return state["sft"]

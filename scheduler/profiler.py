@@ -64,8 +64,8 @@ class StageRunners:
     the scheduler measures the trainer's own stages without importing it.
 
     - ``start_workers(cfg)``: the trainer's worker groups, placed as ``cfg.placement`` says
-      (``embodied.runner.Workers``: ``reset_envs``, ``rollout_steps``, ``prepare_generation``,
-      ``env``, ``action_dim``, ``max_episode_steps``, ``shutdown``);
+      (``embodied.runner.start_workers``; the profiler calls ``reset_envs``, ``rollout_steps``,
+      ``prepare_generation``, ``env``, ``action_dim``, ``max_episode_steps`` and ``shutdown``);
     - ``update(policy, optimizer, batch, algorithm_cfg)``: one update of the algorithm
       (``embodied.algorithms.ppo.ppo_update``) on a trajectory batch.
     """

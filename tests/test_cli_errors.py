@@ -52,17 +52,46 @@ CASES = {
 }
 
 
+def _assert_one_paragraph(code: int, stderr: str, must_mention: list[str]) -> None:
+    assert code == 2, stderr[-2000:]
+    assert "Traceback" not in stderr
+    message = stderr.strip().splitlines()
+    assert message and message[0].startswith("error: ")
+    assert len(message) <= 3, stderr
+    for word in must_mention:
+        assert word in stderr, (word, stderr)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Bad input is refused before any worker starts: starting Ray fails the test."""
+    import embodied.cli
+    import embodied.runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the command started Ray before refusing its input")
+
+    monkeypatch.setattr(embodied.runner, "start_cluster", refuse)
+    monkeypatch.setattr(embodied.cli, "start_cluster", refuse)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_gives_one_paragraph_and_exit_2(name):
+def test_bad_input_gives_one_paragraph_and_exit_2(name, no_ray, capsys):
+    """Through the CLI's ``main`` in this process (a process per case would cost ~8 s of imports
+    each); ``test_a_real_process_exits_2_with_one_paragraph`` runs the same path as a user would."""
+    from embodied.cli import main
+
+    args, must_mention = CASES[name]
+    code = main(args)
+    _assert_one_paragraph(code, capsys.readouterr().err, must_mention)
+
+
+@pytest.mark.parametrize("name", ["misspelled key", "GRPO group too small", "missing checkpoint"])
+def test_a_real_process_exits_2_with_one_paragraph(name):
     args, must_mention = CASES[name]
     proc = run_cli(*args, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    message = proc.stderr.strip().splitlines()
-    assert message and message[0].startswith("error: ")
-    assert len(message) <= 3, proc.stderr
-    for word in must_mention:
-        assert word in proc.stderr, (word, proc.stderr)
+    assert "Started a local Ray instance" not in proc.stderr
+    _assert_one_paragraph(proc.returncode, proc.stderr, must_mention)
 
 
 def test_env_that_fails_to_build_names_the_cause_and_exits_3():
@@ -86,19 +115,16 @@ CHECKPOINT_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINT_CASES))
-def test_bad_checkpoint_gives_one_paragraph_and_exit_2_before_workers_start(name, tmp_path):
+def test_bad_checkpoint_gives_one_paragraph_and_exit_2_before_workers_start(name, tmp_path, no_ray, capsys):
     import shutil
     from pathlib import Path
+
+    from embodied.cli import main
 
     command, fixture, delete, overrides, must_mention = CHECKPOINT_CASES[name]
     model = Path(__file__).resolve().parents[1] / ASSETS / fixture
     if delete:
         model = Path(shutil.copytree(model, tmp_path / fixture))
         (model / delete).unlink()
-    proc = run_cli(command, f"policy.model_path={model}", "policy.dtype=float32", *overrides, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
-    message = proc.stderr.strip().splitlines()
-    assert message and message[0].startswith("error: ") and len(message) <= 3, proc.stderr
-    for word in must_mention:
-        assert word in proc.stderr, (word, proc.stderr)
+    code = main([command, f"policy.model_path={model}", "policy.dtype=float32", *overrides])
+    _assert_one_paragraph(code, capsys.readouterr().err, must_mention)

@@ -14,7 +14,7 @@ from embodied.evaluate import (
     video_episodes,
     wilson_interval,
 )
-from embodied.runner import Workers
+from embodied.runner import start_workers
 from envs.libero import decode_seed, episode_seed
 from envs.registry import seed_scheme, training_reset_seeds
 from envs.seeds import RunSeeds
@@ -66,7 +66,7 @@ def test_every_seed_runs_exactly_once_with_padding(ray_cluster):
     """7 episodes on 4 envs: two rounds, one padded slot whose episode is not reported; the
     recorded episodes' frames are the eval's own (T + 1 frames)."""
     cfg = small_config("env.max_episode_steps=6", "env.render_size=32")
-    workers = Workers(cfg)
+    workers = start_workers(cfg)
     try:
         seeds = [50 + k for k in range(7)]
         rows, videos = workers.evaluate(seeds, deterministic=True, record={0, 6})

@@ -3,7 +3,7 @@ change when things run, never what is computed."""
 
 import pytest
 
-from embodied.runner import Workers
+from embodied.runner import start_workers
 from envs.messages import Trajectory
 from tests.conftest import assert_identical, small_config
 
@@ -19,7 +19,7 @@ def _train(overrides: list[str], iterations: int = 2) -> dict:
     # once differed by 3.6e-7 after the first update), and this test compares runs bit for bit
     cfg = small_config("env.num_envs=8", "placement.env_workers=2", "algorithm.rollout_steps=12",
                        "env.max_episode_steps=10", "placement.actor_threads=1", *overrides)
-    workers = Workers(cfg)
+    workers = start_workers(cfg)
     try:
         workers.reset_envs(iteration=0, sim_steps=0)
         trajectories, episodes = [], []

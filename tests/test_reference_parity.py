@@ -203,9 +203,9 @@ def test_record_films_an_l1_oft_checkpoint_on_libero(tmp_path):
                    "policy.dtype=float32", "policy.unnorm_key=libero_spatial_no_noops", "eval.video_episodes=1",
                    f"runner.run_dir={tmp_path}", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (video,) = tmp_path.glob("episode_0_seed_*.mp4")
+    (video,) = tmp_path.glob("task_000_episode_0_seed_*.mp4")
     frames = imageio.mimread(video)
-    assert len(frames) == 16 and not (frames[0] == frames[-1]).all()  # the checkpoint moved the arm
+    assert len(frames) == 1 + 16 and not (frames[0] == frames[-1]).all()  # the checkpoint moved the arm
 
 
 def test_token_oft_batch_acts_as_simplevla_rl_rollout(oft_token):
@@ -257,7 +257,7 @@ def test_openvla_batch_of_prompts_of_different_lengths_acts_as_each_alone(openvl
     (["policy.unnorm_key=bridge_orig", "env=maniskill_pushcube_rgb"], ["7-dim actions", "8-dim", "env.control_mode"]),
 ], ids=["unnorm_key not in the statistics", "checkpoint of another action size"])
 def test_checkpoint_statistics_are_checked_before_any_worker_starts(overrides, words):
-    """What Workers checks first (the CLI turns it into one paragraph and exit 2: test_cli_errors.py)."""
+    """What start_workers checks first (the CLI turns it into one paragraph and exit 2: test_cli_errors.py)."""
     from envs.common import UserError
     from envs.registry import env_action_dim
     from policies.registry import check_policy_config

@@ -89,7 +89,7 @@ def test_rl_from_the_sft_checkpoint_runs_chunks_and_trains_per_token(sft_run, tm
     assert result["episodes"] == 2 and [r["length"] for r in result["rows"]] == [8, 8]
     assert result["training"]["env_steps"] == 16
     (video,) = (run_dir / "videos").glob("*.mp4")
-    assert len(imageio.mimread(video)) == 8  # a frame per simulator step, not per chunk
+    assert len(imageio.mimread(video)) == 1 + 8  # the reset, then a frame per simulator step, not per chunk
     # a fresh evaluation of the checkpoint, one env per worker process, gives the same episodes
     proc = run_cli("eval", f"checkpoint={run_dir}", "env.num_envs=1", "runner.progress=false",
                    f"runner.run_dir={tmp_path / 'fresh'}")

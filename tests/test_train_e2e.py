@@ -108,7 +108,7 @@ def test_cli_train_then_eval_and_record(tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (video,) = video_dir.glob("*.mp4")
     frames = imageio.mimread(video)
-    assert len(frames) == 50 and frames[0].shape == (64, 64, 3)
+    assert len(frames) == 51 and frames[0].shape == (256, 256, 3)  # 64 px renders, scaled x4 for the captions
     assert frames[10].std() > 5
 
 
@@ -206,9 +206,9 @@ def test_seeded_runs_are_identical(ray_cluster, tmp_path):
 def test_record_without_checkpoint_films_a_random_policy(tmp_path):
     proc = run_cli("record", "eval.video_episodes=1", "env.render_size=64", f"runner.run_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (video,) = tmp_path.glob("episode_0_seed_*.mp4")
+    (video,) = tmp_path.glob("task_000_episode_0_seed_*.mp4")
     frames = imageio.mimread(video)
-    assert len(frames) == 50
+    assert len(frames) == 51  # the reset, then a frame per step (the eval's own recording)
     assert not (frames[0] == frames[-1]).all()  # the random arm moved
 
 

@@ -59,9 +59,9 @@ class ModeResult:
 
 
 def _measure(name: str, cfg, iterations: int, on_iteration) -> ModeResult:
-    from embodied.runner import Workers
+    from embodied.runner import start_workers
 
-    workers = Workers(cfg)
+    workers = start_workers(cfg)
     try:
         workers.reset_envs(iteration=0, sim_steps=0)
         steps = workers.steps_per_rollout  # decisions per env, as the trainer rolls out

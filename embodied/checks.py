@@ -1,0 +1,75 @@
+"""The checks of a run's config beyond its keys and types (``embodied/config.py`` checks those
+when it composes): names in the registries, the env and policy (a checkpoint's files, its action
+size), placement, and the rules that tie sections together. One pass, before any worker starts:
+:func:`check_run_config`, which ``start_workers`` calls."""
+
+from __future__ import annotations
+
+from embodied.algorithms.advantages import ADVANTAGES, GRPO_WEIGHTINGS, OUTCOME_ADVANTAGES
+from embodied.algorithms.logprob_levels import LOGPROB_LEVELS
+from embodied.algorithms.losses import LOSSES
+from embodied.config import TrainConfig
+from embodied.workers.rollout_worker import BOOTSTRAP_MASKS
+from envs.common import UserError, unknown_name_error
+from envs.registry import check_env_config, env_action_dim, seed_scheme
+from policies.registry import check_policy_config
+from scheduler.placement import check_placement
+
+
+def check_run_config(cfg: TrainConfig) -> None:
+    """Raise a UserError for the first thing wrong with ``cfg`` (its message names the fix)."""
+    check_env_config(cfg.env)
+    seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)  # eval.tasks is checked now, not after training
+    check_policy_config(cfg.policy, env_action_dim(cfg.env))
+    for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
+                           (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap),
+                           (LOGPROB_LEVELS, cfg.algorithm.logprob_level),
+                           (GRPO_WEIGHTINGS, cfg.algorithm.grpo_weighting)):
+        registry.get(name)
+    check_placement(cfg.placement, cfg.env.num_envs)
+    _check_groups(cfg)
+    _check_final_weights(cfg)
+    _check_critic(cfg)
+
+
+def _check_groups(cfg: TrainConfig) -> None:
+    """GRPO compares the envs of a group: at least two, all in one micro-batch."""
+    algo = cfg.algorithm
+    if algo.advantage not in OUTCOME_ADVANTAGES or cfg.placement.mode == "auto":  # auto: the planner checks
+        return
+    micro_batch = cfg.env.num_envs // (cfg.placement.env_workers * cfg.placement.pipeline_stages)
+    if algo.group_size < 2 or micro_batch % algo.group_size:
+        raise UserError(f"algorithm.group_size={algo.group_size}: GRPO compares the envs of a group, so it "
+                        f"needs at least 2 per group, and groups must not span env workers or pipeline "
+                        f"stages ({micro_batch} envs each here). Pick a group size >= 2 that divides {micro_batch}.")
+
+
+def _check_final_weights(cfg: TrainConfig) -> None:
+    """``runner.final_weights=best`` picks among periodic validations: there must be some."""
+    choice = cfg.runner.final_weights
+    if choice not in ("last", "best"):
+        raise unknown_name_error("final weights (runner.final_weights)", choice, ["last", "best"])
+    if choice == "best" and not cfg.runner.eval_every:
+        raise UserError("runner.final_weights=best keeps the weights of the best periodic validation, but "
+                        "runner.eval_every=0 runs none. Set runner.eval_every=N (validate every N iterations) "
+                        "or runner.final_weights=last.")
+
+
+def _check_critic(cfg: TrainConfig) -> None:
+    """Critic warm-up trains a value function (GRPO, vf_coef 0, has none); critic_lr is a rate;
+    kl_coef a weight."""
+    algo = cfg.algorithm
+    if algo.critic_warmup_iterations < 0:
+        raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations}: it counts "
+                        "updates, so it must be 0 (no warm-up) or more.")
+    if algo.critic_lr is not None and algo.critic_lr <= 0:
+        raise UserError(f"algorithm.critic_lr={algo.critic_lr}: a learning rate must be > 0 "
+                        "(or null: the critic learns at algorithm.lr).")
+    if algo.kl_coef < 0:
+        raise UserError(f"algorithm.kl_coef={algo.kl_coef}: a penalty weight must be >= 0 "
+                        "(0: no KL term; GRPO papers use 0.001-0.04).")
+    if algo.critic_warmup_iterations and (algo.vf_coef == 0 or algo.advantage in OUTCOME_ADVANTAGES):
+        raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations} trains only the "
+                        f"value function, but algorithm={algo.name} (advantage {algo.advantage}, vf_coef "
+                        f"{algo.vf_coef}) uses none: those updates would change nothing. Set "
+                        "algorithm.critic_warmup_iterations=0, or use PPO (algorithm=ppo).")
