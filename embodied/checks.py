@@ -5,13 +5,15 @@ size), placement, and the rules that tie sections together. One pass, before any
 
 from __future__ import annotations
 
+import math
+
 from embodied.algorithms.advantages import ADVANTAGES, GRPO_WEIGHTINGS, OUTCOME_ADVANTAGES
 from embodied.algorithms.logprob_levels import LOGPROB_LEVELS
 from embodied.algorithms.losses import LOSSES
 from embodied.config import TrainConfig
 from embodied.workers.rollout_worker import BOOTSTRAP_MASKS
 from envs.common import UserError, unknown_name_error
-from envs.registry import check_env_config, env_action_dim, seed_scheme
+from envs.registry import check_env_config, env_action_dim, env_episode_steps, seed_scheme
 from policies.registry import check_policy_config
 from scheduler.placement import check_placement
 
@@ -30,6 +32,7 @@ def check_run_config(cfg: TrainConfig) -> None:
     _check_groups(cfg)
     _check_final_weights(cfg)
     _check_critic(cfg)
+    _check_episode_fits(cfg)
 
 
 def _check_groups(cfg: TrainConfig) -> None:
@@ -73,3 +76,16 @@ def _check_critic(cfg: TrainConfig) -> None:
                         f"value function, but algorithm={algo.name} (advantage {algo.advantage}, vf_coef "
                         f"{algo.vf_coef}) uses none: those updates would change nothing. Set "
                         "algorithm.critic_warmup_iterations=0, or use PPO (algorithm=ppo).")
+
+
+def _check_episode_fits(cfg: TrainConfig) -> None:
+    """GRPO scores whole episodes: each must end within one iteration (decisions: a chunking
+    policy's episode is ceil(steps / chunk_size) of them)."""
+    steps = env_episode_steps(cfg.env)
+    if cfg.algorithm.advantage not in OUTCOME_ADVANTAGES or steps is None or cfg.algorithm.rollout_steps is None:
+        return
+    decisions = math.ceil(steps / cfg.policy.chunk_size)
+    if cfg.algorithm.rollout_steps < decisions:
+        raise UserError(f"algorithm.rollout_steps={cfg.algorithm.rollout_steps} is shorter than an episode "
+                        f"({decisions} steps): GRPO needs every episode to end within an iteration. "
+                        "Set algorithm.rollout_steps=null (one whole episode) or raise it.")

@@ -185,8 +185,6 @@ def cmd_eval(overrides: list[str]) -> int:
 
     cfg, state, path = _checkpointed(overrides)
     check_env_config(cfg.env)
-    if cfg.eval.trials_per_task < 1:
-        raise UserError(f"eval.trials_per_task={cfg.eval.trials_per_task}: run at least 1 trial per task.")
     seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
     digest = protocol_digest(cfg.eval, cfg.env, seeds)
     record = video_episodes(seeds, cfg.env, cfg.eval.videos_per_task)

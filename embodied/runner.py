@@ -32,7 +32,6 @@ from embodied.run_logger import RunLogger
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
 from embodied.workers.rollout_worker import RolloutWorker
-from envs.common import UserError
 from envs.messages import EnvSpec
 from envs.registry import (
     seed_scheme,
@@ -69,7 +68,6 @@ class Workers:
         spec: EnvSpec = self.env.call("spec")[0]
         self.obs_spec, self.action_dim, self.max_episode_steps = spec.obs_spec, spec.action_dim, spec.max_episode_steps
         self.steps_per_rollout = cfg.algorithm.rollout_steps or self.max_episode_steps
-        _check_episode_fits(cfg, self.steps_per_rollout, self.max_episode_steps)
         common = dict(policy_cfg=cfg.policy, algorithm_cfg=cfg.algorithm,
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
         self.rollout = WorkerGroup(RolloutWorker, "rollout", plan, threads, layout=self.layout,
@@ -154,13 +152,13 @@ class Workers:
         rollout_times = self.rollout.call("last_times")
         times = {
             "rollout_s": time.perf_counter() - t0,
-            "env_sim_s": max(out["sim_s"] for out in env_out),
-            "env_step_s": max(out["step_s"] for out in env_out),
-            "env_wait_s": max(out["wait_s"] for out in env_out),
+            "env_sim_s": max(out.sim_s for out in env_out),
+            "env_step_s": max(out.step_s for out in env_out),
+            "env_wait_s": max(out.wait_s for out in env_out),
             "infer_s": max(t["infer_s"] for t in rollout_times),
             "infer_wait_s": max(t["wait_s"] for t in rollout_times),
         }
-        return [row for out in env_out for row in out["episodes"]], trajectory_refs, times
+        return [row for out in env_out for row in out.episodes], trajectory_refs, times
 
     def update(self, trajectory_refs: list, critic_only: bool = False) -> tuple[dict, dict]:
         """Give the devices to the actor and run one PPO update (``critic_only``: critic warm-up).
@@ -212,9 +210,9 @@ class Workers:
             by_rank = dict(enumerate(layout.per_rank(batch)))
             serve = self.rollout.call_async("serve_eval", self.max_episode_steps, self.channel, deterministic, by_rank)
             for part in ray.get(env_refs):
-                rows += part["rows"]
-                videos.update(part["videos"])
-                bar.update(len(part["rows"]))
+                rows += part.rows
+                videos.update(part.videos)
+                bar.update(len(part.rows))
             ray.get(serve)
         bar.close()
         return sorted(rows, key=lambda r: r["episode"]), videos
@@ -244,14 +242,6 @@ def start_workers(cfg: TrainConfig) -> Workers:
 
 
 STAGE_RUNNERS = StageRunners(start_workers=start_workers, update=ppo_update)  # what placement.mode=auto profiles
-
-
-def _check_episode_fits(cfg: TrainConfig, rollout_steps: int, max_episode_steps: int) -> None:
-    """GRPO scores whole episodes: each must end within one iteration."""
-    if cfg.algorithm.advantage in OUTCOME_ADVANTAGES and rollout_steps < max_episode_steps:
-        raise UserError(f"algorithm.rollout_steps={rollout_steps} is shorter than an episode "
-                        f"({max_episode_steps} steps): GRPO needs every episode to end within an iteration. "
-                        "Set algorithm.rollout_steps=null (one whole episode) or raise it.")
 
 
 def _mean(rows: list[dict], key: str) -> float:

@@ -231,6 +231,8 @@ class LiberoSeeds(SeedScheme):
 
     def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
         """Task by task (``eval.tasks``, or all), its first ``eval.trials_per_task`` stored init states."""
+        if eval_cfg.trials_per_task < 1:
+            raise UserError(f"eval.trials_per_task={eval_cfg.trials_per_task}: run at least 1 trial per task.")
         counts = init_state_counts(env_cfg.task)
         tasks = range(len(counts)) if eval_cfg.tasks is None else _task_subset(eval_cfg.tasks, env_cfg.task)
         return [episode_seed(t, i) for t in tasks for i in range(min(eval_cfg.trials_per_task, counts[t]))]
@@ -258,7 +260,8 @@ def validate_libero(cfg) -> None:
                         "(agentview + wrist images) or 'state' (no cameras, no rendering).")
 
 
-@register_env("libero", validate=validate_libero, seeds=LiberoSeeds(), action_dim=lambda cfg: 7)
+@register_env("libero", validate=validate_libero, seeds=LiberoSeeds(), action_dim=lambda cfg: 7,
+              episode_steps=lambda cfg: cfg.max_episode_steps or MAX_STEPS[cfg.task])
 def make_libero(cfg, num_envs: int, num_procs: int):
     """One LIBERO env per process (``num_procs`` is raised to ``num_envs``: MuJoCo scenes are
     heavy and render on the CPU, so envs never share a process)."""

@@ -283,7 +283,8 @@ def panda_action_dim(cfg) -> int | None:
     return PANDA_ACTION_DIMS.get(cfg.control_mode) if cfg.task in INSTRUCTIONS else None
 
 
-@register_env("maniskill", validate=validate_maniskill, action_dim=panda_action_dim)
+@register_env("maniskill", validate=validate_maniskill, action_dim=panda_action_dim,
+              episode_steps=lambda cfg: cfg.max_episode_steps or default_max_episode_steps(cfg.task))
 def make_maniskill(cfg, num_envs: int, num_procs: int):
     """Build a ManiSkill VecEnv from an :class:`~embodied.config.EnvConfig`."""
     cuda = torch.cuda.is_available()

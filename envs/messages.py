@@ -3,6 +3,8 @@
 - :class:`EnvSpec`: an env worker tells the driver what its envs look like.
 - :class:`StepMessage`: an env worker's micro-batch after a step, sent to its rollout worker.
 - :class:`Trajectory`: a rollout worker's time-major record of its envs, sent to the actor.
+- :class:`EnvRollout` / :class:`EnvEvaluation`: what an env worker tells the driver after a
+  rollout or an evaluation.
 
 Shapes: ``T`` decisions (a chunking policy's chunk is one decision), ``B`` envs, ``A`` the
 policy's action size. They live on the ground floor (``envs/``) because every layer reads
@@ -89,3 +91,24 @@ class Trajectory:
                   for f in fields(cls) if f.name not in ("obs", "next_value")}
         return cls(obs={k: torch.cat([p.obs[k] for p in parts], dim=1) for k in parts[0].obs},
                    next_value=torch.cat([p.next_value for p in parts]), **joined)
+
+
+@dataclass
+class EnvRollout:
+    """An env worker's rollout: the ``episodes`` that finished (a row each, ``env`` indexing the
+    worker's slice), and its seconds busy stepping and sending (``sim_s``), of which ``env.step``
+    alone (``step_s``), and waiting for actions (``wait_s``)."""
+
+    episodes: list[dict]
+    sim_s: float
+    step_s: float
+    wait_s: float
+
+
+@dataclass
+class EnvEvaluation:
+    """An env worker's evaluation round: a row per real episode (``seed`` and ``episode`` tagged),
+    and the frames of those it filmed (episode id -> ``{"frames", "rewards", "successes"}``)."""
+
+    rows: list[dict]
+    videos: dict[int, dict]

@@ -51,6 +51,7 @@ class SeedScheme:
 
 ENV_SEED_SCHEMES: dict[str, SeedScheme] = {}
 ENV_ACTION_DIMS: dict[str, Callable] = {}  # backend -> action_dim(env_cfg), known without building the env
+ENV_EPISODE_STEPS: dict[str, Callable] = {}  # backend -> max_episode_steps(env_cfg), the same
 
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
@@ -58,16 +59,19 @@ _BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero"}
 
 
 def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None,
-                 action_dim: Callable | None = None) -> Callable:
+                 action_dim: Callable | None = None, episode_steps: Callable | None = None) -> Callable:
     """Register a backend; ``validate(env_cfg)`` raises UserError for bad names before any sim
     starts; ``seeds`` says how its episodes are named by seeds (default :class:`SeedScheme`);
-    ``action_dim(env_cfg)`` is the action size where it is known without building an env (else None)."""
+    ``action_dim(env_cfg)`` and ``episode_steps(env_cfg)`` are the action size and the episode's
+    step limit where they are known without building an env (else None)."""
 
     def decorator(fn: Callable) -> Callable:
         ENV_BACKENDS[name] = fn
         ENV_SEED_SCHEMES[name] = seeds or SeedScheme()
         if action_dim is not None:
             ENV_ACTION_DIMS[name] = action_dim
+        if episode_steps is not None:
+            ENV_EPISODE_STEPS[name] = episode_steps
         if validate is not None:
             ENV_VALIDATORS[name] = validate
         return fn
@@ -91,6 +95,13 @@ def env_action_dim(env_cfg) -> int | None:
     policy checkpoint of another action size fails before workers start."""
     _load_backend(env_cfg)
     known = ENV_ACTION_DIMS.get(env_cfg.backend)
+    return known(env_cfg) if known else None
+
+
+def env_episode_steps(env_cfg) -> int | None:
+    """The env's episode step limit (simulator steps) before any env starts, or None."""
+    _load_backend(env_cfg)
+    known = ENV_EPISODE_STEPS.get(env_cfg.backend)
     return known(env_cfg) if known else None
 
 

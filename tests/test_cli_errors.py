@@ -39,7 +39,6 @@ CASES = {
     "SFT of a policy without tokens": (["sft", "policy=mlp", "sft.demos=1", "sft.demos_dir=/tmp/embodied-test-demos"],
                                        ["token policies", "openvla_tiny"]),
     "bad resume dir": (["train", "resume=/nonexistent/run"], ["resume", "config.yaml"]),
-    "placement: more devices than exist": (["train", "placement.env=0-7"], ["placement.env", "ray.num_cpus"]),
     "placement: overlap hybrid forbids": (
         ["train", "placement.mode=hybrid", "placement.env=0", "placement.rollout=0"],
         ["both use device(s) [0]", "disjoint ranges"]),
@@ -92,6 +91,12 @@ def test_a_real_process_exits_2_with_one_paragraph(name):
     proc = run_cli(*args, timeout=120)
     assert "Started a local Ray instance" not in proc.stderr
     _assert_one_paragraph(proc.returncode, proc.stderr, must_mention)
+
+
+def test_placement_beyond_the_clusters_devices_exits_2():
+    """The one check that needs the cluster (how many devices it has): after Ray starts, before workers."""
+    proc = run_cli("train", "placement.env=0-7", timeout=120)
+    _assert_one_paragraph(proc.returncode, proc.stderr, ["placement.env", "ray.num_cpus"])
 
 
 def test_env_that_fails_to_build_names_the_cause_and_exits_3():

@@ -16,8 +16,10 @@ from embodied.checkpoint import load_checkpoint
 from tests.conftest import REPO, run_cli, tb_scalars
 
 WARM_START = REPO / "assets" / "policies" / "pushcube_state_mlp.pt"  # pushes the cube: contacts from step one
-EPISODE_STEPS, ENVS, RESUMED_ITERATIONS = 20, 16, 115
-STEPS_PER_ITERATION = EPISODE_STEPS * ENVS
+# five 20-step episodes per env and iteration: 26 resumed iterations run 2,080 episodes. (10-step
+# episodes are too short: with eval.reconfigure=false they no longer show the leak this test is for)
+EPISODE_STEPS, EPISODES_PER_ITERATION, ENVS, RESUMED_ITERATIONS = 20, 5, 16, 26
+STEPS_PER_ITERATION = EPISODE_STEPS * EPISODES_PER_ITERATION * ENVS
 
 
 def _rows(path) -> list[dict]:
@@ -48,7 +50,7 @@ def test_killed_and_resumed_run_evaluates_as_a_fresh_eval_row_for_row(tmp_path):
     run_dir = tmp_path / "run"
     _kill_after_checkpoint(
         ["train", f"checkpoint={WARM_START}", f"env.num_envs={ENVS}", "placement.env_workers=2",
-         f"env.max_episode_steps={EPISODE_STEPS}", f"algorithm.rollout_steps={EPISODE_STEPS}",
+         f"env.max_episode_steps={EPISODE_STEPS}", f"algorithm.rollout_steps={EPISODE_STEPS * EPISODES_PER_ITERATION}",
          "runner.total_env_steps=1000000", "runner.max_minutes=null", "runner.eval_every=0",
          "runner.stop_at_success=null", "runner.checkpoint_every=1", "eval.episodes=48", "eval.video_episodes=0",
          "runner.progress=false", f"runner.run_dir={run_dir}"],

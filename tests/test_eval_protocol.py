@@ -18,7 +18,7 @@ from embodied.runner import start_workers
 from envs.libero import decode_seed, episode_seed
 from envs.registry import seed_scheme, training_reset_seeds
 from envs.seeds import RunSeeds
-from tests.conftest import run_cli, small_config
+from tests.conftest import small_config
 
 
 def test_libero_eval_seeds_are_every_task_init_pair_once_grouped_by_task():
@@ -78,12 +78,13 @@ def test_every_seed_runs_exactly_once_with_padding(ray_cluster):
     assert again[0] | {"episode": 6, "env": rows[6]["env"]} == rows[6]  # an episode depends on its seed only
 
 
-def test_cli_eval_on_libero_writes_the_per_task_table_and_a_video_per_task(tmp_path):
+def test_cli_eval_on_libero_writes_the_per_task_table_and_a_video_per_task(ray_cluster, tmp_path):
+    from embodied.cli import main as cli_main  # in this process: fresh workers on the session's cluster
+
     out = tmp_path / "eval"
-    proc = run_cli("eval", "env=libero_spatial", "policy=random", "eval.trials_per_task=1", "eval.tasks=[9,0,3]",
-                   "env.max_episode_steps=4", "env.image_size=32", "runner.progress=false",
-                   f"runner.run_dir={out}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cli_main(["eval", "env=libero_spatial", "policy=random", "eval.trials_per_task=1", "eval.tasks=[9,0,3]",
+                     "env.max_episode_steps=4", "env.image_size=32", "runner.progress=false",
+                     f"runner.run_dir={out}"]) == 0
     result = json.loads((out / "eval.json").read_text())
     assert [t["task_index"] for t in result["tasks"]] == [0, 3, 9] and result["task_subset"] == [0, 3, 9]
     assert all(t["episodes"] == 1 and t["success_once"] == 0.0 for t in result["tasks"])

@@ -82,9 +82,10 @@ def test_grpo_groups_start_from_one_init_state():
     from embodied.workers.env_worker import EnvWorker
     from envs.registry import training_reset_seeds
     from envs.seeds import AutoResets, RunSeeds
+    from scheduler.layout import BatchLayout
 
     cfg = compose(["env=libero_spatial", "env.image_size=32"]).env
-    worker = EnvWorker(cfg, num_envs=2, rank=0, world_size=1)
+    worker = EnvWorker(cfg, BatchLayout(num_envs=2, env_workers=1), rank=0, world_size=1)
     run = RunSeeds(5)
     try:
         worker.reset(training_reset_seeds(cfg, run, 0, 2, group_size=2), AutoResets(run.auto_resets, 0, 2, 0))

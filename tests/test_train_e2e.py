@@ -71,9 +71,12 @@ def test_runner_warms_up_the_critic_then_trains_near_the_kl_reference(ray_cluste
     assert changed(weights[1], weights[2]) - critic  # the actor trains once the warm-up is over
 
 
-def test_cli_train_then_eval_and_record(tmp_path, capsys):
-    """Training with ``placement.mode=auto`` (profile, plan, run the plan), then eval and
-    record from its checkpoint."""
+def test_cli_train_then_eval_and_record(ray_cluster, tmp_path, capsys):
+    """Training with ``placement.mode=auto`` (profile, plan, run the plan) in a process of its own,
+    as a user runs it, then eval and record from its checkpoint through the CLI's ``main`` in this
+    process (fresh workers on the session's cluster: the same path, without a process start each)."""
+    from embodied.cli import main as cli_main
+
     run_dir, profiles = tmp_path / "run", tmp_path / "profiles"
     proc = run_cli("train", *SMALL, "runner.total_env_steps=80", "eval.episodes=4",
                    "eval.video_episodes=1", "env.render_size=64", f"runner.run_dir={run_dir}",
@@ -89,8 +92,9 @@ def test_cli_train_then_eval_and_record(tmp_path, capsys):
     assert "success_once" in (run_dir / "eval.md").read_text()
 
     eval_dir = tmp_path / "eval"
-    proc = run_cli("eval", f"checkpoint={run_dir}", "eval.episodes=6", f"runner.run_dir={eval_dir}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    capsys.readouterr()
+    assert cli_main(["eval", f"checkpoint={run_dir}", "eval.episodes=6", f"runner.run_dir={eval_dir}"]) == 0
+    stdout = capsys.readouterr().out
     evaluated = json.loads((eval_dir / "eval.json").read_text())
     assert evaluated["episodes"] == 6 and evaluated["seeds"] == list(range(1_000_000, 1_000_006))  # each once
     assert len(list((eval_dir / "videos").glob("*.mp4"))) == 1  # eval.videos_per_task=1, one task
@@ -99,13 +103,12 @@ def test_cli_train_then_eval_and_record(tmp_path, capsys):
         return {k: v for k, v in row.items() if k != "env"}
 
     assert [episode(r) for r in evaluated["rows"][:4]] == [episode(r) for r in result["rows"]]
-    assert "| PushCube-v1 |" in proc.stdout
+    assert "| PushCube-v1 |" in stdout
     _check_results_are_kept(run_dir, eval_dir, capsys)
 
     video_dir = tmp_path / "videos"
-    proc = run_cli("record", f"checkpoint={run_dir}", "eval.video_episodes=1", "env.render_size=64",
-                   f"runner.run_dir={video_dir}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cli_main(["record", f"checkpoint={run_dir}", "eval.video_episodes=1", "env.render_size=64",
+                     f"runner.run_dir={video_dir}"]) == 0
     (video,) = video_dir.glob("*.mp4")
     frames = imageio.mimread(video)
     assert len(frames) == 51 and frames[0].shape == (256, 256, 3)  # 64 px renders, scaled x4 for the captions
@@ -121,10 +124,10 @@ def _check_results_are_kept(run_dir: Path, eval_dir: Path, capsys) -> None:
 
     trained_bytes = (run_dir / "eval.json").read_bytes()
     first = sorted((run_dir / "checkpoints").glob("ckpt_*.pt"))[0]
-    proc = run_cli("eval", f"checkpoint={first}", "eval.episodes=2", "eval.videos_per_task=0")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    capsys.readouterr()
+    assert cli_main(["eval", f"checkpoint={first}", "eval.episodes=2", "eval.videos_per_task=0"]) == 0
     (earlier,) = (run_dir / "evals").glob(f"{first.stem}-*")
-    assert proc.stdout.strip().splitlines()[-1] == str(earlier.resolve())
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(earlier.resolve())
     assert json.loads((earlier / "eval.json").read_text())["episodes"] == 2
     assert (run_dir / "eval.json").read_bytes() == trained_bytes
     index = read_index(run_dir)
@@ -203,9 +206,10 @@ def test_seeded_runs_are_identical(ray_cluster, tmp_path):
     assert any(not torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
 
 
-def test_record_without_checkpoint_films_a_random_policy(tmp_path):
-    proc = run_cli("record", "eval.video_episodes=1", "env.render_size=64", f"runner.run_dir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_record_without_checkpoint_films_a_random_policy(ray_cluster, tmp_path):
+    from embodied.cli import main as cli_main
+
+    assert cli_main(["record", "eval.video_episodes=1", "env.render_size=64", f"runner.run_dir={tmp_path}"]) == 0
     (video,) = tmp_path.glob("task_000_episode_0_seed_*.mp4")
     frames = imageio.mimread(video)
     assert len(frames) == 51  # the reset, then a frame per step (the eval's own recording)

@@ -19,7 +19,7 @@ import torch
 
 from envs.base import episode_rows
 from envs.chunking import ChunkedVecEnv
-from envs.messages import EnvSpec, StepMessage
+from envs.messages import EnvEvaluation, EnvRollout, EnvSpec, StepMessage
 from envs.registry import make_vec_env
 from envs.seeds import AutoResets
 from scheduler.channel import Channel, InOrder, action_key, observation_key
@@ -67,13 +67,11 @@ class EnvWorker(Worker):
         episodes that follow."""
         self._reset(seeds, ignore_terminations=False, auto_resets=auto_resets)
 
-    def interact(self, num_steps: int, channel: Channel, on_step: Callable | None = None) -> dict:
+    def interact(self, num_steps: int, channel: Channel, on_step: Callable | None = None) -> EnvRollout:
         """Run ``num_steps`` steps of every micro-batch against a RolloutWorker.
 
-        Returns ``episodes`` (rows of the episodes that finished; ``env`` indexes this
-        rank's slice) and this rank's time busy stepping the simulator and sending the
-        results (``sim_s``), of which ``env.step`` alone (``step_s``), and waiting for
-        actions (``wait_s``). ``on_step(stage, result)`` sees every step's result.
+        Returns the finished episodes and this rank's times (:class:`~envs.messages.EnvRollout`).
+        ``on_step(stage, result)`` sees every step's result.
         """
         self.trace = []
         started = time.perf_counter()
@@ -99,16 +97,16 @@ class EnvWorker(Worker):
                 wait_s += t1 - t0
                 self.trace.append(("sim", start, time.time()))
         busy_s = time.perf_counter() - started - wait_s
-        return {"episodes": episodes, "sim_s": busy_s, "step_s": step_s, "wait_s": wait_s}
+        return EnvRollout(episodes, busy_s, step_s, wait_s)
 
     def evaluate(self, seeds: list[int], episode_ids: list[int], record: list[bool], channel: Channel,
-                 reconfigure: bool = True) -> dict:
+                 reconfigure: bool = True) -> EnvEvaluation:
         """One fixed-horizon episode per env, reset with ``seeds`` (``reconfigure``: scenes rebuilt
         first, so an episode depends only on its seed and the weights, never on what ran before).
 
-        Returns ``rows`` (one per episode, tagged with ``seed`` and ``episode`` = its
-        ``episode_ids`` entry; ids < 0 are padding, run but not reported) and ``videos``
-        (episode id -> :func:`_video` frames of the envs flagged in ``record``).
+        Returns the rows (one per episode, tagged with ``seed`` and ``episode`` = its
+        ``episode_ids`` entry; ids < 0 are padding, run but not reported) and the videos of the
+        envs flagged in ``record`` (:class:`~envs.messages.EnvEvaluation`).
         """
         self._reset(seeds, ignore_terminations=True, reconfigure=reconfigure)
         recorders = {i: _EpisodeFrames(self._frame(i, self.obs[i // self.stage_size], None))
@@ -123,13 +121,13 @@ class EnvWorker(Worker):
 
         self._observe_every_step({i // self.stage_size for i in recorders})  # a video shows every step
         try:
-            rows = self.interact(self.envs[0].max_episode_steps, channel, on_step if recorders else None)["episodes"]
+            rows = self.interact(self.envs[0].max_episode_steps, channel, on_step if recorders else None).episodes
         finally:
             self._observe_every_step(set())
         for row in rows:
             row["seed"], row["episode"] = seeds[row["env"]], episode_ids[row["env"]]
-        return {"rows": [r for r in rows if r["episode"] >= 0],
-                "videos": {episode_ids[i]: frames.as_dict() for i, frames in recorders.items()}}
+        return EnvEvaluation([r for r in rows if r["episode"] >= 0],
+                             {episode_ids[i]: frames.as_dict() for i, frames in recorders.items()})
 
     def _observe_every_step(self, stages: set[int]) -> None:
         """Chunked micro-batches in ``stages`` observe each of their steps, the others only the
