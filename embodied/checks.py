@@ -5,16 +5,16 @@ size), placement, and the rules that tie sections together. One pass, before any
 
 from __future__ import annotations
 
-import math
-
 from embodied.algorithms.advantages import ADVANTAGES, GRPO_WEIGHTINGS, OUTCOME_ADVANTAGES
 from embodied.algorithms.logprob_levels import LOGPROB_LEVELS
 from embodied.algorithms.losses import LOSSES
 from embodied.config import TrainConfig
 from embodied.workers.rollout_worker import BOOTSTRAP_MASKS
+from envs.chunking import episode_decisions
 from envs.common import UserError, unknown_name_error
 from envs.registry import check_env_config, env_action_dim, env_episode_steps, seed_scheme
 from policies.registry import check_policy_config
+from scheduler.layout import BatchLayout
 from scheduler.placement import check_placement
 
 
@@ -40,7 +40,7 @@ def _check_groups(cfg: TrainConfig) -> None:
     algo = cfg.algorithm
     if algo.advantage not in OUTCOME_ADVANTAGES or cfg.placement.mode == "auto":  # auto: the planner checks
         return
-    micro_batch = cfg.env.num_envs // (cfg.placement.env_workers * cfg.placement.pipeline_stages)
+    micro_batch = BatchLayout(cfg.env.num_envs, cfg.placement.env_workers, cfg.placement.pipeline_stages).stage_size
     if algo.group_size < 2 or micro_batch % algo.group_size:
         raise UserError(f"algorithm.group_size={algo.group_size}: GRPO compares the envs of a group, so it "
                         f"needs at least 2 per group, and groups must not span env workers or pipeline "
@@ -79,12 +79,12 @@ def _check_critic(cfg: TrainConfig) -> None:
 
 
 def _check_episode_fits(cfg: TrainConfig) -> None:
-    """GRPO scores whole episodes: each must end within one iteration (decisions: a chunking
-    policy's episode is ceil(steps / chunk_size) of them)."""
+    """GRPO scores whole episodes: each must end within one iteration (counted in decisions, as a
+    chunking policy's env counts them)."""
     steps = env_episode_steps(cfg.env)
     if cfg.algorithm.advantage not in OUTCOME_ADVANTAGES or steps is None or cfg.algorithm.rollout_steps is None:
         return
-    decisions = math.ceil(steps / cfg.policy.chunk_size)
+    decisions = episode_decisions(steps, cfg.policy.chunk_size)
     if cfg.algorithm.rollout_steps < decisions:
         raise UserError(f"algorithm.rollout_steps={cfg.algorithm.rollout_steps} is shorter than an episode "
                         f"({decisions} steps): GRPO needs every episode to end within an iteration. "

@@ -164,7 +164,7 @@ def _out_dir(cfg, ckpt_path: Path | None, kind: str, name: str) -> Path:
 
 def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[int] = frozenset()):
     """Evaluate ``actor_state`` (None: the policy as built) on ``seeds`` with fresh workers.
-    Returns ``(rows, videos, max episode steps)`` (simulator steps, chunks counted in full)."""
+    Returns ``(rows, videos, simulator steps run)`` (padding episodes and whole chunks included)."""
     from embodied.runner import start_workers
 
     workers = start_workers(cfg)
@@ -172,7 +172,8 @@ def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[i
         if actor_state is not None:
             workers.load_actor_state(actor_state, weights_only=True)
         rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
-        return rows, videos, workers.max_episode_steps * workers.layout.chunk_size
+        layout = workers.layout
+        return rows, videos, layout.env_steps(workers.max_episode_steps) * len(layout.evaluation_rounds(len(seeds)))
     finally:
         workers.shutdown()
 
@@ -193,10 +194,9 @@ def cmd_eval(overrides: list[str]) -> int:
     out_dir = _out_dir(cfg, path, "evals", f"{path.stem if path else 'untrained'}-{digest}")
     t0 = time.perf_counter()
     with _removed_if_failed_empty(out_dir):
-        rows, videos, max_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)
+        rows, videos, env_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)
     summary = summarize(rows, cfg.env, cfg.eval.tasks)
     wall_s = time.perf_counter() - t0
-    env_steps = max_steps * cfg.env.num_envs * math.ceil(len(seeds) / cfg.env.num_envs)  # padding included
     summary.update(checkpoint=str(path) if path else None, policy=cfg.policy.name, wall_s=wall_s,
                    env_steps=env_steps, env_steps_per_s=env_steps / wall_s, num_envs=cfg.env.num_envs)
     table = write_eval(out_dir, summary)

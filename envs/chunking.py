@@ -33,12 +33,17 @@ import torch
 from envs.base import Obs, StepResult, VecEnv
 
 
+def episode_decisions(max_episode_steps: int, chunk_size: int) -> int:
+    """Decisions (chunks) in an episode of ``max_episode_steps`` simulator steps: the last chunk may be cut short."""
+    return math.ceil(max_episode_steps / chunk_size)
+
+
 class ChunkedVecEnv:
     def __init__(self, env: VecEnv, chunk_size: int):
         self.env, self.chunk_size = env, chunk_size
         self.num_envs, self.action_dim = env.num_envs, env.action_dim
         self.obs_spec, self.device = env.obs_spec, env.device
-        self.max_episode_steps = math.ceil(env.max_episode_steps / chunk_size)
+        self.max_episode_steps = episode_decisions(env.max_episode_steps, chunk_size)
         self.observe_every_step = False
 
     def reset(self, seed: int | list[int] | None = None, **options) -> tuple[Obs, dict]:
