@@ -14,6 +14,7 @@ from envs.chunking import episode_decisions
 from envs.common import UserError, unknown_name_error
 from envs.registry import check_env_config, env_action_dim, env_episode_steps, seed_scheme
 from policies.registry import check_policy_config
+from scheduler.data_parallel import resolve_strategy
 from scheduler.layout import BatchLayout
 from scheduler.placement import check_placement
 
@@ -29,6 +30,7 @@ def check_run_config(cfg: TrainConfig) -> None:
                            (GRPO_WEIGHTINGS, cfg.algorithm.grpo_weighting)):
         registry.get(name)
     check_placement(cfg.placement, cfg.env.num_envs)
+    resolve_strategy(cfg.placement.data_parallel, parameters=0)
     _check_groups(cfg)
     _check_final_weights(cfg)
     _check_critic(cfg)
@@ -45,6 +47,11 @@ def _check_groups(cfg: TrainConfig) -> None:
         raise UserError(f"algorithm.group_size={algo.group_size}: GRPO compares the envs of a group, so it "
                         f"needs at least 2 per group, and groups must not span env workers or pipeline "
                         f"stages ({micro_batch} envs each here). Pick a group size >= 2 that divides {micro_batch}.")
+    actor_share = cfg.env.num_envs // cfg.placement.actor_workers
+    if actor_share % algo.group_size:
+        raise UserError(f"algorithm.group_size={algo.group_size} does not divide the {actor_share} envs each of "
+                        f"placement.actor_workers={cfg.placement.actor_workers} actor ranks trains on: a GRPO group "
+                        "must not span actor ranks. Pick a group size that divides it, or change the rank count.")
 
 
 def _check_final_weights(cfg: TrainConfig) -> None:

@@ -130,7 +130,10 @@ class PlacementConfig:
     profile_dir: str = "runs/profiles"  # mode auto: where measured profiles are cached
     env_workers: int = 2  # Ray actors that step simulators
     rollout_workers: int = 1  # Ray actors that run policy inference
-    actor_workers: int = 1  # Ray actors that train
+    actor_workers: int = 1  # Ray actors that train, data-parallel (one device each, scheduler/data_parallel.py)
+    # how several actor ranks keep one policy: "replicate" (a whole copy each, gradients all-reduced),
+    # "fsdp" (FSDP2: weights, gradients and Adam state sharded) or "auto" (fsdp from 100M parameters)
+    data_parallel: str = "auto"
     env: str = "0-1"  # device range for env workers: GPU ids, or CPU slots without GPUs
     rollout: str = "0"
     actor: str = "0"

@@ -75,11 +75,23 @@ class Workers:
         self.actor = WorkerGroup(ActorWorker, "actor", plan, threads, seed=cfg.runner.seed,
                                  update_threads=cfg.placement.actor_threads, wait=False, **common)
         wait_ready(self.rollout, self.actor)  # both groups start side by side: seconds of imports each
+        self.data_parallel = self._join_actor_ranks()
+        self.actor_shares = self.layout.actor_shares(len(self.rollout), len(self.actor))
         self.channel = Channel("env<->rollout")
         self.switcher = ContextSwitcher(plan, {"env": self.env, "rollout": self.rollout, "actor": self.actor})
         self._setup_weight_sync()
         self._weights_ref = None
         self._weights_stale = True  # the actor has weights the rollout workers have not got
+
+    def _join_actor_ranks(self) -> str:
+        """Several actor ranks: one process group, data-parallel as ``placement.data_parallel``
+        says; returns the strategy they train with."""
+        import ray
+
+        if len(self.actor) == 1:
+            return "single"
+        address = ray.get(self.actor.workers[0].open_data_parallel.remote())
+        return self.actor.call("join_data_parallel", address, self.cfg.placement.data_parallel)[0]
 
     # -- weight sync and turns ------------------------------------------------------------
     def _setup_weight_sync(self) -> None:
@@ -105,8 +117,9 @@ class Workers:
         elif self.plan.weight_sync == "broadcast":
             ray.get(self.actor.call_async("broadcast_weights") + self.rollout.call_async("receive_broadcast"))
         else:
-            self._weights_ref = self.actor.workers[0].get_weights.remote()
-            ray.wait([self._weights_ref])  # read before the actor may be offloaded
+            refs = self.actor.call_async("get_weights")  # every rank: FSDP gathers the shards
+            ray.wait(refs, num_returns=len(refs))  # read before the actor may be offloaded
+            self._weights_ref = refs[0]
 
     def _receive_weights(self) -> None:
         if self.plan.weight_sync == "shared_memory":
@@ -167,8 +180,10 @@ class Workers:
 
         switch = self.switcher.turn("train")
         t0 = time.perf_counter()
-        # trajectories go rollout -> actor through the object store, never via the driver
-        stats = ray.get(self.actor.workers[0].update.remote(*trajectory_refs, critic_only=critic_only))
+        # trajectories go rollout -> actor through the object store, never via the driver; each
+        # actor rank reads the rollout workers' trajectories that hold its envs
+        shares = [(envs, *(trajectory_refs[k] for k in ranks)) for ranks, envs in self.actor_shares]
+        stats = ray.get(self.actor.call_async("update", per_rank_args=shares, critic_only=critic_only))[0]
         self._weights_stale = True
         return stats, {"update_s": time.perf_counter() - t0, **{f"train_{k}": v for k, v in switch.items()}}
 

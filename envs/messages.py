@@ -82,6 +82,15 @@ class Trajectory:
     def num_envs(self) -> int:
         return self.actions.shape[1]
 
+    def envs(self, which: slice) -> Trajectory:
+        """The envs ``which`` (of the ``B``) of every field."""
+        cut = {f.name: getattr(self, f.name)[:, which] for f in fields(self) if f.name not in ("obs", "next_value")}
+        return Trajectory(obs={k: v[:, which] for k, v in self.obs.items()}, next_value=self.next_value[which], **cut)
+
+    def to(self, device) -> Trajectory:
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "obs"}
+        return Trajectory(obs={k: v.to(device) for k, v in self.obs.items()}, **moved)
+
     @classmethod
     def concat(cls, parts: list[Trajectory]) -> Trajectory:
         """Join trajectories of the same ``T`` along the env axis, in order."""

@@ -68,6 +68,11 @@ class Policy(nn.Module):
     def weights_updated(self) -> None:
         """Nothing to refresh by default (a vLLM engine reloads its weights here)."""
 
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks FSDP2 shards one by one (``placement.data_parallel=fsdp``), each gathered only
+        while it runs; the rest of the policy is one more unit. Default: none besides the whole."""
+        return []
+
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
 
 

@@ -58,3 +58,18 @@ class BatchLayout:
         rounds = math.ceil(episodes / self.num_envs)
         return [[i if i < episodes else -1 for i in (j * rounds + k for j in range(self.num_envs))]
                 for k in range(rounds)]
+
+    def actor_shares(self, rollout_workers: int, actor_workers: int) -> list[tuple[list[int], slice]]:
+        """What each actor rank trains on: the rollout ranks whose trajectories it reads and the
+        envs to keep of their concatenation. The actor batch is the rollout workers'
+        trajectories joined in rank order (worker ``k``'s has ``len(streams(k)) * stage_size``
+        envs); actor rank ``a`` of ``actor_workers`` holds its ``a``-th block of equal width."""
+        widths = [len(self.streams(k, rollout_workers)) * self.stage_size for k in range(rollout_workers)]
+        starts = [sum(widths[:k]) for k in range(rollout_workers)]
+        share = self.num_envs // actor_workers
+        out = []
+        for a in range(actor_workers):
+            lo, hi = a * share, (a + 1) * share
+            ranks = [k for k in range(rollout_workers) if starts[k] < hi and starts[k] + widths[k] > lo]
+            out.append((ranks, slice(lo - starts[ranks[0]], hi - starts[ranks[0]])))
+        return out

@@ -140,8 +140,7 @@ def make_plan(placement_cfg, cluster: ClusterDevices, num_envs: int) -> Plan:
                         "or auto.")
     counts = {"env": cfg.env_workers, "rollout": cfg.rollout_workers, "actor": cfg.actor_workers}
     groups = {name: _group(name, getattr(cfg, name), counts[name], cluster) for name in GROUPS}
-    if counts["actor"] != 1:
-        raise UserError("placement.actor_workers > 1 (data-parallel training) is not available yet; set it to 1.")
+    _check_actor_ranks(cfg, groups["actor"], num_envs)
     if cfg.pipeline_stages < 1:
         raise UserError(f"placement.pipeline_stages must be at least 1 (got {cfg.pipeline_stages}).")
     per_batch = counts["env"] * cfg.pipeline_stages
@@ -180,11 +179,32 @@ def _resolve_weight_sync(choice: str, plan: Plan) -> str:
     if choice == "shared_memory" and not plan.same_node("rollout", "actor"):
         raise UserError("placement.weight_sync=shared_memory needs the actor and every rollout worker on "
                         "one node; these span several. Use weight_sync=object_store (or auto).")
+    if choice == "broadcast" and plan.groups["actor"].num_workers > 1:
+        raise UserError(
+            f"placement.weight_sync=broadcast with placement.actor_workers={plan.groups['actor'].num_workers}: "
+            "the broadcast puts actor rank 0 and the rollout workers in one torch.distributed group, and "
+            "the actor ranks are in their own data-parallel group already; a process joins one such group. "
+            "Use weight_sync=shared_memory (one node) or object_store (or auto), or actor_workers=1.")
     if choice == "broadcast" and plan.offload and plan.shares_device("rollout", "actor"):
         raise UserError("placement.weight_sync=broadcast needs actor and rollout workers on their devices at "
                         "the same time, but they share a device and take turns (offload is on). Use "
                         "weight_sync=shared_memory (or auto), or put them on separate devices.")
     return choice
+
+
+def _check_actor_ranks(cfg, actor: GroupPlacement, num_envs: int) -> None:
+    """Data-parallel actor ranks: a device each, and an equal share of the batch each."""
+    if actor.num_workers > len(set(actor.devices)):
+        raise UserError(
+            f"placement.actor_workers={actor.num_workers} actor ranks, but placement.actor={cfg.actor!r} names "
+            f"{len(set(actor.devices))} device(s): data-parallel ranks train on a device each (NCCL cannot put two "
+            f"on one GPU). Give placement.actor at least {actor.num_workers} devices (e.g. "
+            f"\"0-{actor.num_workers - 1}\"), or lower placement.actor_workers.")
+    if num_envs % actor.num_workers:
+        raise UserError(
+            f"env.num_envs={num_envs} does not split evenly over placement.actor_workers={actor.num_workers} "
+            f"actor ranks (each trains on an equal share of the envs): make num_envs a multiple of "
+            f"{actor.num_workers}, or change the actor rank count.")
 
 
 def _group(name: str, spec: str, count: int, cluster: ClusterDevices) -> GroupPlacement:

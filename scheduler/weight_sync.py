@@ -89,9 +89,9 @@ def _named_tensors(module: torch.nn.Module):
     yield from ((n, b) for n, b in module.named_buffers() if b is not None and n in persistent)
 
 
-# -- collective broadcast ----------------------------------------------------------------
-def broadcast_address() -> str:
-    """``ip:port`` on this node for rank 0 of a broadcast group to listen on."""
+# -- process groups: the weight broadcast, and the actor ranks (scheduler/data_parallel.py) ----
+def group_address() -> str:
+    """``ip:port`` on this node for rank 0 of a torch.distributed process group to listen on."""
     import ray
 
     with socket.socket() as s:
@@ -100,8 +100,9 @@ def broadcast_address() -> str:
     return f"{ray.util.get_node_ip_address()}:{port}"
 
 
-def join_broadcast_group(address: str, rank: int, world_size: int, device: torch.device) -> None:
-    """Join the group rank 0 opened at ``address`` (every member must call this at once)."""
+def join_process_group(address: str, rank: int, world_size: int, device: torch.device) -> None:
+    """Join the group rank 0 opened at ``address`` (every member must call this at once): this
+    process's default group, NCCL on GPUs, gloo on CPUs (a process is in one such group)."""
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -23,6 +23,7 @@ from embodied.algorithms.advantages import ADVANTAGES
 from embodied.algorithms.logprob_levels import group_logprobs
 from embodied.algorithms.losses import LOSSES, LossTerms, critic_loss, kl_to_reference
 from envs.messages import Trajectory
+from scheduler.data_parallel import SINGLE, DataParallel
 
 
 def compute_advantages(batch: Trajectory, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,7 +85,8 @@ MinibatchLoss = Callable[[Samples, torch.Tensor], tuple[torch.Tensor, dict[str, 
 
 
 def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Trajectory, cfg,
-               generator: torch.Generator | None = None, reference: nn.Module | None = None) -> dict[str, float]:
+               generator: torch.Generator | None = None, reference: nn.Module | None = None,
+               dp: DataParallel = SINGLE) -> dict[str, float]:
     """Run ``cfg.update_epochs`` epochs of ``cfg.loss`` over ``batch``; returns mean training statistics.
 
     ``reference`` (with ``cfg.kl_coef > 0``): a frozen policy; ``kl_coef * KL(policy || reference)``
@@ -106,11 +108,11 @@ def ppo_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Traje
             stats["kl_to_reference"] = kl.item()
         return loss, stats
 
-    return _epochs(policy, optimizer, batch, cfg, generator, minibatch_loss, steps=None) | {"critic_only": 0.0}
+    return _epochs(policy, optimizer, batch, cfg, generator, minibatch_loss, steps=None, dp=dp) | {"critic_only": 0.0}
 
 
 def critic_warmup_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Trajectory, cfg,
-                         generator: torch.Generator | None = None) -> dict[str, float]:
+                         generator: torch.Generator | None = None, dp: DataParallel = SINGLE) -> dict[str, float]:
     """Epochs of ``vf_coef`` times the value loss alone, and only the critic's own parameters step, so
     the actor, shared encoder included, stays exactly as it was (``approx_kl`` is still reported and
     still stops the epochs past ``target_kl``, as in :func:`ppo_update`)."""
@@ -123,21 +125,29 @@ def critic_warmup_update(policy: nn.Module, optimizer: torch.optim.Optimizer, ba
                                         group_logprobs(new_logprob, cfg.logprob_level, policy.action_dim))
         return cfg.vf_coef * value_loss, {"value_loss": value_loss.item(), "approx_kl": approx_kl.item()}
 
-    stats = _epochs(policy, optimizer, batch, cfg, generator, minibatch_loss, steps=critic_parameters(policy))
+    stats = _epochs(policy, optimizer, batch, cfg, generator, minibatch_loss, steps=critic_parameters(policy), dp=dp)
     return stats | {"critic_only": 1.0}
 
 
 def _epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Trajectory, cfg,
             generator: torch.Generator | None, minibatch_loss: MinibatchLoss,
-            steps: set[int] | None) -> dict[str, float]:
+            steps: set[int] | None, dp: DataParallel = SINGLE) -> dict[str, float]:
     """The epochs both updates share: advantages, shuffled minibatches (advantages normalised
     per minibatch), a clipped gradient step on ``minibatch_loss``, early stop past
-    ``cfg.target_kl``. ``steps``: ``id``s of the only parameters that may step (None: all)."""
-    advantages, returns, valid = compute_advantages(batch, cfg)
-    data = flatten_time(batch, advantages, returns, valid)
+    ``cfg.target_kl``. ``steps``: ``id``s of the only parameters that may step (None: all).
+
+    ``batch`` holds this rank's envs (``dp``: its place among the actor ranks). The ranks share
+    their samples' scalars, so each computes the whole batch's advantages and draws the same
+    minibatches; a rank trains on the samples of a minibatch it holds, its loss weighted by their
+    share, and the summed gradients, statistics and early stop are those of one rank holding all."""
+    scores = _whole_batch_scores(batch, dp)
+    advantages, returns, valid = compute_advantages(scores, cfg)
+    data = flatten_time(scores, advantages, returns, valid)
     n = len(data)
     if n == 0:  # e.g. GRPO with every group filtered out: nothing to learn from this batch
         return {"samples": 0.0, "epochs": 0.0}
+    owner, local_index = sample_owners(valid, batch.num_envs)
+    local_obs = {k: v.flatten(0, 1) for k, v in batch.obs.items()}
     minibatch = max(n // cfg.num_minibatches, 1)
     stats: dict[str, list[float]] = defaultdict(list)
     epochs = 0
@@ -145,18 +155,24 @@ def _epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Trajecto
         order = torch.randperm(n, generator=generator)
         epoch_kl = []
         for start in range(0, n, minibatch):
-            mb = data.take(order[start:start + minibatch])
-            adv = mb.advantages
+            idx = order[start:start + minibatch]
+            mb = data.take(idx)
             if cfg.normalize_advantages and len(mb) > 1:
-                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-            loss, step_stats = minibatch_loss(mb, adv)
+                mb.advantages = (mb.advantages - mb.advantages.mean()) / (mb.advantages.std() + 1e-8)
+            mine, share = _this_ranks_part(owner[idx], dp.rank)
+            part = mb.take(mine)
+            part.obs = {k: v[local_index[idx[mine]]] for k, v in local_obs.items()}
+            loss, step_stats = minibatch_loss(part, part.advantages)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            weight = share * dp.loss_scale
+            (loss if weight == 1.0 else loss * weight).backward()
+            dp.sum_gradients(policy)
+            step_stats = _sum_over_ranks(step_stats, share, dp)
             if steps is not None:
                 for param in policy.parameters():
                     if id(param) not in steps:
                         param.grad = None  # Adam skips a parameter without a gradient
-            step_stats["grad_norm"] = float(nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
+            step_stats["grad_norm"] = _float(nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
             optimizer.step()
             for key, value in step_stats.items():
                 stats[key].append(value)
@@ -171,3 +187,44 @@ def _epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Trajecto
     residual = (data.returns - data.values).var()
     out["explained_variance"] = float(1 - residual / var_returns) if var_returns > 0 else 0.0
     return out
+
+
+def _whole_batch_scores(batch: Trajectory, dp: DataParallel) -> Trajectory:
+    """Every rank's envs, joined in rank order, but without observations: the scalars the
+    advantages, minibatches and normalisation are computed from (``[T, B_all]``)."""
+    return Trajectory(obs={}, actions=dp.gather_envs(batch.actions, 1), logprobs=dp.gather_envs(batch.logprobs, 1),
+                      values=dp.gather_envs(batch.values, 1), rewards=dp.gather_envs(batch.rewards, 1),
+                      dones=dp.gather_envs(batch.dones, 1), next_value=dp.gather_envs(batch.next_value, 0))
+
+
+def sample_owners(valid: torch.Tensor, envs_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each sample of the whole batch (``valid [T, B]``, in ``flatten_time``'s step-major
+    order), the rank whose envs it is of (ranks hold ``envs_per_rank`` consecutive envs each) and
+    its index in that rank's flattened ``[T * envs_per_rank]`` batch. Both ``[N]``."""
+    position = valid.flatten().nonzero().squeeze(1)
+    step, env = position // valid.shape[1], position % valid.shape[1]
+    return env // envs_per_rank, step * envs_per_rank + env % envs_per_rank
+
+
+def _this_ranks_part(owners: torch.Tensor, rank: int) -> tuple[torch.Tensor, float]:
+    """Indices of a minibatch's samples this rank holds, and their share of it. A rank holding
+    none trains on its first sample with weight 0: every rank runs the same passes (FSDP's
+    collectives are in them) and adds nothing."""
+    mine = (owners == rank).nonzero().squeeze(1)
+    if len(mine) == 0:
+        return torch.zeros(1, dtype=torch.long), 0.0
+    return mine, len(mine) / len(owners)
+
+
+def _sum_over_ranks(stats: dict[str, float], share: float, dp: DataParallel) -> dict[str, float]:
+    """A minibatch's statistics (means over its samples) from every rank's means over its part."""
+    if dp.world == 1:
+        return stats
+    keys = sorted(stats)
+    total = dp.sum(torch.tensor([stats[k] * share for k in keys], dtype=torch.float64))
+    return dict(zip(keys, total.tolist(), strict=True))
+
+
+def _float(norm: torch.Tensor) -> float:
+    """A gradient norm as a float (FSDP's is a DTensor over the ranks)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

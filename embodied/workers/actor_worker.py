@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
 from torch import nn
@@ -12,55 +11,89 @@ from embodied.algorithms.ppo import critic_warmup_update, optimizer_groups, ppo_
 from envs.messages import Trajectory
 from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
+from scheduler.data_parallel import SINGLE, DataParallel, join_group, resolve_strategy
 from scheduler.offload import DeviceState
 from scheduler.weight_sync import (
     SharedLayout,
     SharedWeights,
-    broadcast_address,
     broadcast_module,
-    join_broadcast_group,
+    group_address,
+    join_process_group,
     plan_layout,
 )
 from scheduler.worker import Worker
 
 
 class ActorWorker(Worker):
+    """Rank ``rank`` of ``world_size`` actor ranks (``placement.actor_workers``). One rank trains
+    from construction on; several first meet in a process group (:meth:`open_data_parallel` on
+    rank 0, then :meth:`join_data_parallel` on all at once) and train data-parallel
+    (scheduler/data_parallel.py)."""
+
     def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int, seed: int,
                  update_threads: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.update_threads = update_threads
         seeds = RunSeeds(seed)
-        torch.manual_seed(seeds.generator(Purpose.INIT))
+        torch.manual_seed(seeds.generator(Purpose.INIT))  # the same initial weights on every rank
         self.cfg = algorithm_cfg
+        self.policy_cfg, self.obs_spec, self.action_dim = policy_cfg, obs_spec, action_dim
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
-        # only trainable parameters (LoRA: adapters + value head); the critic's in a group of its own with critic_lr
-        self.optimizer = torch.optim.Adam(optimizer_groups(self.policy, algorithm_cfg), lr=algorithm_cfg.lr, eps=1e-5)
+        # every rank draws the same minibatches: they train on the same global ones
         self.generator = torch.Generator().manual_seed(seeds.generator(Purpose.MINIBATCH))
-        self.device_state = DeviceState(self.policy, self.optimizer)
         self.shared: SharedWeights | None = None
         # algorithm.kl_coef > 0: a frozen copy of the starting weights that the KL penalty holds the policy near
         self.reference: nn.Module | None = None
+        if self.world_size == 1:
+            self._start_training(SINGLE)
 
-    # -- weights out ----------------------------------------------------------------------
-    def get_weights(self) -> dict:
-        return _cpu_state(self.policy)
+    def _start_training(self, dp: DataParallel) -> None:
+        """Shard the policy (fsdp), then make its optimizer: over the parameters training steps."""
+        self.dp = dp
+        self.policy = dp.wrap(self.policy)
+        # only trainable parameters (LoRA: adapters + value head); the critic's in a group of its own with critic_lr
+        self.optimizer = torch.optim.Adam(optimizer_groups(self.policy, self.cfg), lr=self.cfg.lr, eps=1e-5)
+        self.device_state = DeviceState(self.policy, self.optimizer)
 
-    def share_weights(self) -> SharedLayout:
+    def open_data_parallel(self) -> str:
+        """Rank 0: where the actor ranks' process group meets."""
+        return group_address()
+
+    def join_data_parallel(self, address: str, strategy: str) -> str:
+        """Join the actor ranks' process group (all ranks at once) and start training with
+        ``placement.data_parallel`` = ``strategy``; returns the strategy it resolved to."""
+        parameters = sum(p.numel() for p in self.policy.parameters())
+        resolved = resolve_strategy(strategy, parameters)
+        self._start_training(join_group(address, self.rank, self.world_size, self.device, resolved))
+        return resolved
+
+    # -- weights out (FSDP gathers the shards: every rank calls; rank 0 answers) -----------------
+    def get_weights(self) -> dict | None:
+        weights = self.dp.full_state(self.policy)
+        return weights if self.rank == 0 else None
+
+    def share_weights(self) -> SharedLayout | None:
         """Create the shared buffer rollout workers on this node read weights from."""
-        self.shared = SharedWeights(plan_layout(self.policy.state_dict()))
-        return self.shared.layout
+        weights = self.dp.full_state(self.policy)
+        if self.rank == 0:
+            self.shared = SharedWeights(plan_layout(weights))
+            return self.shared.layout
+        return None
 
     def unlink_shared_weights(self) -> None:
-        self.shared.unlink()
+        if self.shared is not None:
+            self.shared.unlink()
 
     def publish_weights(self) -> None:
-        self.shared.write(self.policy.state_dict())
+        weights = self.dp.full_state(self.policy) if self.dp.sharded else self.policy.state_dict()
+        if self.shared is not None:
+            self.shared.write(weights)
 
     def open_broadcast_group(self) -> str:
-        return broadcast_address()
+        return group_address()
 
     def join_broadcast_group(self, address: str, world_size: int) -> None:
-        join_broadcast_group(address, rank=0, world_size=world_size, device=self.device)
+        join_process_group(address, rank=0, world_size=world_size, device=self.device)
 
     def broadcast_weights(self) -> int:
         return broadcast_module(self.policy, src=0)
@@ -74,46 +107,49 @@ class ActorWorker(Worker):
     def freeze_reference(self) -> None:
         """Keep the current weights (the warm start), frozen, as the KL penalty's reference policy."""
         if self.cfg.kl_coef > 0:
-            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            self.reference = self._frozen_copy()
 
-    def update(self, *trajectories: Trajectory, critic_only: bool = False) -> dict[str, float]:
-        """One PPO update on the trajectories of every rollout worker (``critic_only``: a critic
-        warm-up update, the value function's alone)."""
-        batch = _to(Trajectory.concat(list(trajectories)), self.device)
+    def _frozen_copy(self) -> nn.Module:
+        """The policy as it is now, frozen (sharded like it: FSDP modules cannot be deep-copied)."""
+        if not self.dp.sharded:
+            return copy.deepcopy(self.policy).eval().requires_grad_(False)
+        weights = self.dp.full_state(self.policy)
+        with torch.random.fork_rng():  # building a policy draws initial weights: leave the run's stream alone
+            frozen = make_policy(self.policy_cfg, self.obs_spec, self.action_dim).to(self.device)
+        frozen.load_state_dict(weights)
+        return self.dp.wrap(frozen).eval().requires_grad_(False)
+
+    def update(self, envs: slice, *trajectories: Trajectory, critic_only: bool = False) -> dict[str, float]:
+        """One PPO update on the rollout workers' ``trajectories`` (``envs``: this rank's envs of
+        their concatenation; ``critic_only``: a critic warm-up update, the value function's alone)."""
+        batch = Trajectory.concat(list(trajectories)).envs(envs).to(self.device)
         self.policy.train()
         torch.set_num_threads(self.update_threads)
         with self.all_cores():  # env and rollout workers wait for the new weights: their cores are free
             if critic_only:
-                return critic_warmup_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator)
+                return critic_warmup_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator,
+                                            dp=self.dp)
             return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator,
-                              reference=self.reference)
+                              reference=self.reference, dp=self.dp)
 
-    def state(self) -> dict:
-        """Everything a checkpoint needs to continue training exactly."""
-        state = {"policy": self.get_weights(), "optimizer": self.optimizer.state_dict(),
+    def state(self) -> dict | None:
+        """Everything a checkpoint needs to continue training exactly, whole (not sharded): a run on
+        any number of ranks resumes from it. Every rank calls; rank 0 answers."""
+        state = {"policy": self.dp.full_state(self.policy),
+                 "optimizer": self.dp.full_optimizer_state(self.policy, self.optimizer),
                  "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
         if self.reference is not None:
-            state["reference"] = _cpu_state(self.reference)
-        return state
+            state["reference"] = self.dp.full_state(self.reference)
+        return state if self.rank == 0 else None
 
     def load_state(self, state: dict, weights_only: bool = False) -> None:
-        self.policy.load_state_dict(state["policy"])
+        self.dp.load_full_state(self.policy, state["policy"])
         if weights_only:
             return
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.dp.load_full_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         if self.cfg.kl_coef > 0:  # a resumed run keeps its original reference (older checkpoints: these weights)
             self.freeze_reference()
             if "reference" in state:
-                self.reference.load_state_dict(state["reference"])
-
-
-def _cpu_state(module: nn.Module) -> dict:
-    """``module``'s state dict on the CPU (on a CPU device: the live tensors, not copies)."""
-    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
-
-
-def _to(batch: Trajectory, device) -> Trajectory:
-    moved = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch) if f.name != "obs"}
-    return Trajectory(obs={k: v.to(device) for k, v in batch.obs.items()}, **moved)
+                self.dp.load_full_state(self.reference, state["reference"])

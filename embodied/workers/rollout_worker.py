@@ -23,7 +23,7 @@ from scheduler.weight_sync import (
     SharedLayout,
     SharedWeights,
     broadcast_module,
-    join_broadcast_group,
+    join_process_group,
     use_views_as_parameters,
 )
 from scheduler.worker import Worker
@@ -72,7 +72,7 @@ class RolloutWorker(Worker):
         return copied
 
     def join_broadcast_group(self, address: str, world_size: int) -> None:
-        join_broadcast_group(address, rank=1 + self.rank, world_size=world_size, device=self.device)
+        join_process_group(address, rank=1 + self.rank, world_size=world_size, device=self.device)
 
     def receive_broadcast(self) -> int:
         received = broadcast_module(self.policy, src=0)

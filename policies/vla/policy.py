@@ -101,6 +101,11 @@ class TokenVLAPolicy(Policy):
         if cfg.lora_rank:
             self._add_lora(lora_target, cfg.lora_rank)
 
+    def shard_units(self) -> list[nn.Module]:
+        """The backbone's transformer blocks: the classes its models list as ``_no_split_modules``."""
+        blocks = {name for m in self.modules() for name in getattr(m, "_no_split_modules", None) or ()}
+        return [m for m in self.modules() if type(m).__name__ in blocks]
+
     def _add_lora(self, module: nn.Module, rank: int) -> None:
         """LoRA adapters in ``module`` (the language model); only they and the new heads (value head,
         OFT's proprio projector, added after this) train."""

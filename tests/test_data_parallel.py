@@ -1,0 +1,124 @@
+"""Data-parallel actor ranks (scheduler/data_parallel.py): one update on 2 ranks (real Ray
+actors in a gloo process group) gives the weights of the same update on 1 rank, replicated or
+sharded with FSDP2, for PPO on the MLP and GRPO on the tiny VLA with LoRA and a KL penalty."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embodied.algorithms.ppo import sample_owners
+from embodied.config import compose
+from envs.messages import Trajectory
+from scheduler.layout import BatchLayout
+
+STATE_SPEC = {"state": ((7,), torch.float32)}
+VLA_SPEC = {"rgb": ((32, 32, 3), torch.uint8), "state": ((9,), torch.float32)}
+
+
+# -- pure logic ------------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_sample_owners_index_each_ranks_own_flattened_envs(ranks: int):
+    g = torch.Generator().manual_seed(ranks)
+    T, B = 5, 8
+    valid = torch.rand(T, B, generator=g) > 0.3
+    marks = torch.arange(T * B).view(T, B)  # each sample's own id
+    owner, local = sample_owners(valid, B // ranks)
+    expected = marks[valid]  # flatten_time's order
+    for rank in range(ranks):
+        block = marks[:, rank * (B // ranks):(rank + 1) * (B // ranks)].flatten()
+        mine = owner == rank
+        assert torch.equal(block[local[mine]], expected[mine])
+    assert sorted(owner.unique().tolist()) == sorted(set(owner.tolist())) and len(owner) == int(valid.sum())
+
+
+@pytest.mark.parametrize(("num_envs", "env_workers", "stages", "rollout", "actor"),
+                         [(8, 2, 1, 1, 2), (8, 2, 2, 2, 2), (12, 3, 1, 2, 3), (16, 4, 2, 3, 4), (8, 4, 1, 4, 1)])
+def test_actor_shares_cover_the_concatenated_batch_in_equal_blocks(num_envs, env_workers, stages, rollout, actor):
+    layout = BatchLayout(num_envs, env_workers, stages)
+    widths = [len(layout.streams(k, rollout)) * layout.stage_size for k in range(rollout)]
+    columns = torch.arange(num_envs).split(widths)  # the rollout workers' trajectories, joined in order
+    got = []
+    for ranks, envs in layout.actor_shares(rollout, actor):
+        block = torch.cat([columns[k] for k in ranks])[envs]
+        assert len(block) == num_envs // actor
+        got.append(block)
+    assert torch.equal(torch.cat(got), torch.arange(num_envs))
+
+
+# -- one update on 1 rank and on 2 ------------------------------------------------------------
+def _trajectory(policy, spec: dict, T: int, B: int, episodic: bool, seed: int = 0) -> Trajectory:
+    """A batch the policy itself sampled on random observations; ``episodic``: every env's
+    first episode ends within ``T`` steps, scored 0 or 1 (GRPO)."""
+    g = torch.Generator().manual_seed(seed)
+    obs = {}
+    for key, (shape, dtype) in spec.items():
+        obs[key] = (torch.randint(0, 256, (T, B, *shape), generator=g, dtype=dtype) if dtype == torch.uint8
+                    else torch.randn(T, B, *shape, generator=g))
+    with torch.no_grad():
+        acted = [policy.act({k: v[t] for k, v in obs.items()}) for t in range(T)]
+    actions, logprobs, values = (torch.stack([a[i] for a in acted]) for i in range(3))
+    dones = torch.rand(T, B, generator=g) < 0.2
+    if episodic:
+        dones[-1] = True
+    rewards = (torch.rand(T, B, generator=g) < 0.5).float() * dones if episodic else torch.randn(T, B, generator=g)
+    return Trajectory(obs, actions, logprobs, values, rewards, dones, torch.randn(B, generator=g))
+
+
+def _actors(ray, cfg, spec: dict, world: int, strategy: str) -> list:
+    from embodied.workers.actor_worker import ActorWorker
+
+    remote = ray.remote(ActorWorker)
+    actors = [remote.options(num_cpus=0).remote(cfg.policy, cfg.algorithm, spec, 4, seed=3, rank=r, world_size=world)
+              for r in range(world)]
+    if world > 1:
+        address = ray.get(actors[0].open_data_parallel.remote())
+        assert ray.get([a.join_data_parallel.remote(address, strategy) for a in actors]) == [strategy] * world
+    ray.get([a.freeze_reference.remote() for a in actors])
+    return actors
+
+
+def _update(ray, actors: list, batch: Trajectory) -> tuple[dict, dict]:
+    world = len(actors)
+    share = batch.num_envs // world
+    stats = ray.get([a.update.remote(slice(r * share, (r + 1) * share), batch) for r, a in enumerate(actors)])
+    assert all(s == stats[0] for s in stats), "the ranks disagree on the statistics"
+    return stats[0], ray.get([a.get_weights.remote() for a in actors])[0]  # FSDP gathers: every rank
+
+
+CASES = {
+    "ppo-mlp": ([], STATE_SPEC, 6, 8, False),
+    "grpo-vla-lora": (["algorithm=grpo", "policy=openvla_tiny", "policy.image_size=32", "policy.lora_rank=4",
+                       "policy.instruction=push", "algorithm.kl_coef=0.05", "algorithm.group_size=2",
+                       "algorithm.num_minibatches=3"], VLA_SPEC, 4, 4, True),
+}
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_update_on_two_ranks_gives_the_weights_of_one_rank(ray_cluster, case: str, strategy: str):
+    import ray
+
+    from policies.registry import make_policy
+
+    overrides, spec, T, B, episodic = CASES[case]
+    cfg = compose([*overrides, "algorithm.update_epochs=2", "algorithm.target_kl=10.0"])
+    torch.manual_seed(0)
+    batch = _trajectory(make_policy(cfg.policy, spec, 4).eval(), spec, T, B, episodic)
+    one = _actors(ray, cfg, spec, 1, strategy)
+    two = _actors(ray, cfg, spec, 2, strategy)
+    try:
+        start = ray.get(one[0].get_weights.remote())
+        start = {k: v.clone() for k, v in start.items()}
+        stats_one, after_one = _update(ray, one, batch)
+        stats_two, after_two = _update(ray, two, batch)
+    finally:
+        for actor in one + two:
+            ray.kill(actor)
+    moved = max((after_one[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-4, "the update changed nothing: the comparison would prove nothing"
+    for key in after_one:
+        torch.testing.assert_close(after_two[key], after_one[key], atol=1e-6, rtol=0, msg=key)
+    assert stats_two["samples"] == stats_one["samples"] and stats_two["epochs"] == stats_one["epochs"]
+    for key in ("approx_kl", "grad_norm", "policy_loss"):
+        assert stats_two[key] == pytest.approx(stats_one[key], rel=1e-4, abs=1e-6), key
