@@ -136,14 +136,15 @@ class DataParallel:
 
     def full_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state as one rank's ``optimizer.state_dict()`` would be (parameters by
-        index), whatever the ranks: a checkpoint resumes on any number of them."""
+        index), whatever the ranks: a checkpoint resumes on any number of them. Every rank calls;
+        fsdp gathers it on rank 0 (the others get ``{}``)."""
         if not self.sharded:
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         named = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                      cpu_offload=True))
-        return _by_index(named, optimizer, module)
+        return _by_index(named, optimizer, module) if self.rank == 0 else {}  # gathered on rank 0 only
 
     def load_full_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         if not self.sharded:

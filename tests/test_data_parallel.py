@@ -112,6 +112,10 @@ def test_one_update_on_two_ranks_gives_the_weights_of_one_rank(ray_cluster, case
         start = {k: v.clone() for k, v in start.items()}
         stats_one, after_one = _update(ray, one, batch)
         stats_two, after_two = _update(ray, two, batch)
+        # a checkpoint of one rank loads on two (whole state in, whole state out)
+        state = ray.get(one[0].state.remote())
+        ray.get([a.load_state.remote(state) for a in two])
+        reloaded = ray.get([a.state.remote() for a in two])[0]
     finally:
         for actor in one + two:
             ray.kill(actor)
@@ -119,6 +123,48 @@ def test_one_update_on_two_ranks_gives_the_weights_of_one_rank(ray_cluster, case
     assert moved > 1e-4, "the update changed nothing: the comparison would prove nothing"
     for key in after_one:
         torch.testing.assert_close(after_two[key], after_one[key], atol=1e-6, rtol=0, msg=key)
+    for key in state["policy"]:
+        assert torch.equal(reloaded["policy"][key], state["policy"][key]), key
+    for index, moments in state["optimizer"]["state"].items():
+        assert torch.equal(reloaded["optimizer"]["state"][index]["exp_avg_sq"], moments["exp_avg_sq"])
     assert stats_two["samples"] == stats_one["samples"] and stats_two["epochs"] == stats_one["epochs"]
     for key in ("approx_kl", "grad_norm", "policy_loss"):
         assert stats_two[key] == pytest.approx(stats_one[key], rel=1e-4, abs=1e-6), key
+
+
+# -- the runner with two actor ranks ---------------------------------------------------------
+def _first_iteration(cfg, run_dir) -> tuple[dict, dict]:
+    """Weights after one training iteration of ``cfg``, and the actor's whole state."""
+    from embodied.runner import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    try:
+        trainer._reset_envs()
+        trainer._iterate()
+        return trainer.workers.actor.call("get_weights")[0], trainer.workers.actor_state()
+    finally:
+        trainer.close()
+
+
+def test_a_run_on_two_fsdp_ranks_trains_as_one_rank_and_its_checkpoint_loads_on_one(ray_cluster, tmp_path):
+    """The runner's split of the rollout workers' trajectories over actor ranks (one trajectory
+    cut in two here), the sharded weight sync and a whole-state checkpoint another rank count loads."""
+    from embodied.runner import Trainer
+    from tests.conftest import small_config
+
+    two = small_config("placement.actor_workers=2", "placement.actor=0-1", "placement.data_parallel=fsdp")
+    weights_two, state_two = _first_iteration(two, tmp_path / "two")
+    weights_one, _ = _first_iteration(small_config(), tmp_path / "one")
+    for key in weights_one:
+        torch.testing.assert_close(weights_two[key], weights_one[key], atol=1e-6, rtol=0, msg=key)
+
+    trainer = Trainer(small_config(), tmp_path / "resumed")
+    try:
+        trainer.workers.load_actor_state(state_two)
+        loaded = trainer.workers.actor_state()
+    finally:
+        trainer.close()
+    assert all(torch.equal(loaded["policy"][k], state_two["policy"][k]) for k in state_two["policy"])
+    moments = state_two["optimizer"]["state"]
+    assert moments and all(torch.equal(loaded["optimizer"]["state"][i]["exp_avg"], moments[i]["exp_avg"])
+                           for i in moments)
