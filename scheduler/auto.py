@@ -14,6 +14,7 @@ from pathlib import Path
 
 from envs.common import UserError
 from scheduler.cost_model import Profile, Workload
+from scheduler.data_parallel import resolve_strategy
 from scheduler.placement import to_placement
 from scheduler.planner import PlanChoice, plan
 from scheduler.profiler import StageRunners, cached_profile
@@ -41,7 +42,8 @@ def profile_sizes(num_envs: int) -> list[int]:
 def workload_of(cfg, profile: Profile) -> Workload:
     """An iteration of ``cfg``: its envs, decisions per env and (GRPO) group size."""
     group = cfg.algorithm.group_size if cfg.algorithm.advantage == "grpo" else 1
-    return Workload(cfg.env.num_envs, cfg.algorithm.rollout_steps or profile.episode_steps, group)
+    sharded = resolve_strategy(cfg.placement.data_parallel, profile.parameters) == "fsdp"
+    return Workload(cfg.env.num_envs, cfg.algorithm.rollout_steps or profile.episode_steps, group, sharded)
 
 
 def auto_placement(cfg, devices: int, device_kind: str, runners: StageRunners, log=print) -> AutoPlan:

@@ -23,7 +23,13 @@ worker's slice is cut into. :func:`predict` combines them as the runner executes
   sets the pace, the ``De * S`` messages add their cost, and one micro-batch of each fills
   and drains the pipe:
   ``T * (max(S * env(m), (De * S / Dr) * infer(m)) + De * S * message) + env(m) + infer(m) + hop``;
-- training: the PPO update over ``N * T`` samples on the actor's device;
+- training: the PPO update over ``N * T`` samples on the actor's device; with ``R`` data-parallel
+  actor ranks (``actor_ranks``), each trains on ``N * T / R`` of them and every gradient step
+  adds a ring all-reduce of the gradients: ``(R - 1) * allreduce.fixed + 2 (R - 1) / R *
+  allreduce.per_item * gradient_mib`` from the two-rank curve the profiler measured on a real
+  process group (FSDP2 moves 1.5 times the bytes: two all-gathers and a reduce-scatter), plus
+  the link where the ranks span nodes. CPU slots of one node share its cores, so ranks there
+  are only as fast together as one rank using them all;
 - several nodes (:class:`Network`): a message between an env worker and the rollout worker
   serving it on another node also crosses the link (latency, then its bytes at the link's
   bandwidth, which a pipeline's other micro-batches can hide), and a weight sync to rollout
@@ -32,8 +38,10 @@ worker's slice is cut into. :func:`predict` combines them as the runner executes
   is on, one offload and one onload per iteration; plus one weight sync.
 
 Memory per device is the sum of the groups resident on it; with offload a device holds
-the larger of its generation phase (env + rollout) and its training phase (actor). A
-GRPO workload (``group_size > 1``) also needs every micro-batch to hold whole groups.
+the larger of its generation phase (env + rollout) and its training phase (actor: its share
+of the samples' activations, and of the weights, gradients and Adam state when sharded). A
+GRPO workload (``group_size > 1``) also needs every micro-batch and every actor rank's share
+to hold whole groups.
 """
 
 from __future__ import annotations
@@ -88,6 +96,10 @@ class Profile:
     message_mib_per_env: float = 0.0  # one env's observation and action, as a message carries them
     episode_steps: int = 0  # the env's episode length in decisions (an iteration of rollout_steps: null)
     device_kind: str = "cpu"  # "gpu" or "cpu" (CPU slots share host memory: offloading frees nothing)
+    allreduce: Curve = Curve(0.0, 0.0)  # one all-reduce of n MiB between two actor ranks
+    gradient_mib: float = 0.0  # the trainable parameters' gradients, as a data-parallel step reduces them
+    gradient_steps: int = 1  # optimizer steps per update (epochs x minibatches)
+    parameters: int = 0  # the policy's, which placement.data_parallel=auto decides by
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,7 @@ class Workload:
     num_envs: int  # N
     steps: int  # T: decisions per env per iteration
     group_size: int = 1  # GRPO: envs per group, which must not span micro-batches
+    sharded: bool = False  # several actor ranks shard the policy (FSDP2) instead of replicating it
 
 
 @dataclass(frozen=True)
@@ -122,7 +135,8 @@ class Candidate:
     """A plan: device counts per group, micro-batches per env worker, offload. Devices are
     numbered env first, then rollout, then actor: colocated groups all use ``0..D-1``; a hybrid
     actor shares the rollout workers' devices (the policy's weights are there already). One
-    env worker and one rollout worker per device; one actor worker, on its first device."""
+    env worker and one rollout worker per device; ``actor_ranks`` data-parallel actor ranks, on
+    the first devices of the actor's."""
 
     mode: str
     env_devices: int
@@ -130,10 +144,12 @@ class Candidate:
     actor_devices: int
     stages: int = 1
     offload: bool = False
+    actor_ranks: int = 1
 
     def name(self) -> str:
-        return (f"{self.mode} env={self.env_devices} rollout={self.rollout_devices} actor={self.actor_devices} "
-                f"stages={self.stages}{' offload' if self.offload else ''}")
+        ranks = f" ranks={self.actor_ranks}" if self.actor_ranks > 1 else ""
+        return (f"{self.mode} env={self.env_devices} rollout={self.rollout_devices} actor={self.actor_devices}"
+                f"{ranks} stages={self.stages}{' offload' if self.offload else ''}")
 
     def device_sets(self) -> dict[str, range]:
         """Which device indices each group uses."""
@@ -193,6 +209,29 @@ def generate_seconds(c: Candidate, p: Profile, w: Workload, net: Network = ONE_N
     return w.steps * (pace + messages) + fill
 
 
+def allreduce_seconds(ranks: list[int], p: Profile, w: Workload, net: Network = ONE_NODE) -> float:
+    """One gradient step's reduction over the actor ranks on devices ``ranks`` (a ring)."""
+    r = len(ranks)
+    if r == 1:
+        return 0.0
+    volume = (1.5 if w.sharded else 1.0) * 2 * (r - 1) / r * p.gradient_mib
+    seconds = (r - 1) * p.allreduce.fixed + volume * p.allreduce.per_item
+    if len({net.node(d) for d in ranks}) > 1:
+        seconds += 2 * (r - 1) * net.latency_s + net.transfer_s(volume)
+    return seconds
+
+
+def train_seconds(c: Candidate, p: Profile, w: Workload, net: Network = ONE_NODE) -> float:
+    """The update over the iteration's samples, split over ``c.actor_ranks`` ranks (see the module doc)."""
+    ranks = list(c.device_sets()["actor"])[:c.actor_ranks]
+    share = w.num_envs * w.steps / len(ranks)
+    crowd = 1
+    if p.device_kind == "cpu":  # the slots of a node share its cores
+        per_node = [net.node(d) for d in ranks]
+        crowd = max(per_node.count(node) for node in set(per_node))
+    return p.train(share) * crowd + p.gradient_steps * allreduce_seconds(ranks, p, w, net)
+
+
 def weight_sync_seconds(c: Candidate, p: Profile, net: Network = ONE_NODE) -> float:
     """The measured (one-node) sync, plus sending the weights to rollout workers on other nodes."""
     sets = c.device_sets()
@@ -216,8 +255,10 @@ def device_memory(c: Candidate, p: Profile, w: Workload) -> dict[int, float]:
     for d in sets["rollout"]:
         generation[d] = generation.get(d, 0.0) + p.rollout_memory(w.num_envs / c.rollout_devices)
     peak = dict(generation)
-    actor = p.actor_memory(w.num_envs * w.steps)
-    for d in sets["actor"][:1]:  # one actor worker
+    share = w.num_envs * w.steps / c.actor_ranks
+    state = p.actor_memory.fixed / c.actor_ranks if w.sharded else p.actor_memory.fixed  # weights, grads, Adam
+    actor = state + p.actor_memory.per_item * share
+    for d in sets["actor"][:c.actor_ranks]:
         peak[d] = max(generation.get(d, 0.0), actor) if c.offload else generation.get(d, 0.0) + actor
     return peak
 
@@ -226,7 +267,7 @@ def predict(c: Candidate, p: Profile, w: Workload, net: Network = ONE_NODE) -> P
     """Predicted iteration time and memory of plan ``c`` for workload ``w`` under profile ``p``
     on a cluster shaped as ``net``."""
     switch = weight_sync_seconds(c, p, net) + (p.offload_s if c.offload and shares_actor(c) else 0.0)
-    out = Prediction(c, generate_seconds(c, p, w, net), p.train(w.num_envs * w.steps), switch,
+    out = Prediction(c, generate_seconds(c, p, w, net), train_seconds(c, p, w, net), switch,
                      device_memory(c, p, w))
     full = [d for d, mib in out.memory.items() if mib > p.device_memory]
     if full:
@@ -236,4 +277,8 @@ def predict(c: Candidate, p: Profile, w: Workload, net: Network = ONE_NODE) -> P
         out.infeasible = f"{w.num_envs} envs do not split into {c.env_devices} x {c.stages} micro-batches"
     elif (w.num_envs // (c.env_devices * c.stages)) % w.group_size:
         out.infeasible = f"micro-batches of {w.num_envs // (c.env_devices * c.stages)} envs split GRPO groups"
+    elif c.actor_ranks > c.actor_devices:
+        out.infeasible = f"{c.actor_ranks} actor ranks on {c.actor_devices} device(s): one device each"
+    elif w.num_envs % c.actor_ranks or (w.num_envs // c.actor_ranks) % w.group_size:
+        out.infeasible = f"{w.num_envs} envs do not split into {c.actor_ranks} actor ranks' shares of whole groups"
     return out

@@ -187,3 +187,36 @@ def join_group(address: str, rank: int, world: int, device: torch.device, strate
 
 
 SINGLE = DataParallel()
+
+
+class AllReduceProbe:
+    """A Ray actor the profiler starts twice to time all-reduces on a real process group
+    (``scheduler/profiler.py``): the cost model's data-parallel gradient reduction."""
+
+    def __init__(self, device_kind: str = "cpu", local_device: int = 0):
+        use_cuda = device_kind == "gpu" and torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{local_device}" if use_cuda else "cpu")
+
+    def open(self) -> str:
+        return group_address()
+
+    def join(self, address: str, rank: int, world: int) -> None:
+        join_process_group(address, rank=rank, world_size=world, device=self.device)
+
+    def seconds(self, mib: float, repeats: int) -> float:
+        """The median seconds of one all-reduce of ``mib`` MiB of float32 (after one warm-up)."""
+        import statistics
+        import time
+
+        import torch.distributed as dist
+
+        buffer = torch.zeros(max(int(mib * 2**20 / 4), 1), device=self.device)
+        times = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            started = time.perf_counter()
+            dist.all_reduce(buffer)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])

@@ -269,5 +269,6 @@ def to_placement(c: Candidate, base) -> object:
     sets = c.device_sets()
     return replace(
         base, mode=c.mode, env=_span(sets["env"]), rollout=_span(sets["rollout"]), actor=_span(sets["actor"]),
-        env_workers=c.env_devices, rollout_workers=c.rollout_devices, actor_workers=1, pipeline_stages=c.stages,
+        env_workers=c.env_devices, rollout_workers=c.rollout_devices, actor_workers=c.actor_ranks,
+        pipeline_stages=c.stages,
         offload="always" if c.offload else "never")

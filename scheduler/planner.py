@@ -8,14 +8,15 @@ Candidates for ``D`` devices (see :class:`scheduler.cost_model.Candidate`):
   actor time-sharing the rollout devices (with and without offload), ``S`` micro-batches;
 - ``disaggregated``: env, rollout and actor each on devices of their own, ``S`` micro-batches.
 
-``S`` ranges over ``stages`` (powers of two by default). The best plan is the feasible one
-with the smallest predicted iteration time; ties go to the simpler plan (fewer stages,
-no offload), in the order candidates are listed.
+``S`` ranges over ``stages`` (powers of two by default), and each plan's actor trains on 1, 2,
+4, ... or all of its devices as data-parallel ranks. The best plan is the feasible one with
+the smallest predicted iteration time; ties go to the simpler plan (fewer stages, no
+offload, fewer actor ranks), in the order candidates are listed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.cost_model import (
     ONE_NODE,
@@ -41,7 +42,12 @@ def candidates(devices: int, stages: tuple[int, ...] = DEFAULT_STAGES, offload: 
         for env in range(1, devices - 1):
             for rollout in range(1, devices - env):
                 out.append(Candidate("disaggregated", env, rollout, devices - env - rollout, s))
-    return out
+    return [replace(c, actor_ranks=r) for c in out for r in actor_rank_counts(c.actor_devices)]
+
+
+def actor_rank_counts(devices: int) -> list[int]:
+    """Data-parallel degrees tried on ``devices`` actor devices: powers of two, and all of them."""
+    return sorted({2**k for k in range(devices.bit_length()) if 2**k <= devices} | {devices})
 
 
 @dataclass

@@ -23,7 +23,10 @@ on those observations:
 - ``train``: one PPO update (the algorithm's epochs and minibatches) over ``n`` samples
   (CPU: ``placement.actor_threads`` threads, as the actor updates while the other groups
   wait and leave it every core);
-- ``offload``: the actor's weights and optimizer state off the device and back.
+- ``offload``: the actor's weights and optimizer state off the device and back;
+- ``allreduce`` (two devices or more): two actor ranks, Ray actors in a real process group
+  (NCCL or gloo), all-reducing a tiny buffer and one of the policy's gradient size: what a
+  data-parallel gradient step adds.
 
 Times are medians of ``repeats``; memory is the resident-set (CPU) or allocated-memory
 (GPU) growth while a stage's objects are alive. Each stage's points are fitted with
@@ -51,11 +54,12 @@ import torch
 from envs.messages import Trajectory
 from policies.registry import make_policy
 from scheduler.cost_model import Candidate, Curve, Profile
+from scheduler.data_parallel import AllReduceProbe
 from scheduler.offload import DeviceState
 from scheduler.placement import to_placement
 from scheduler.worker import resident_mib
 
-PROFILE_VERSION = 9
+PROFILE_VERSION = 10
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,10 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
     switch = DeviceState(policy, optimizer)
     offload_s = _median_seconds(lambda: (switch.offload(), switch.onload()), repeats)
     state_mib = sum(v.nbytes for v in policy.state_dict().values()) / 2**20
-    return {"weights_mib": state_mib,
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    return {"weights_mib": state_mib, "parameters": sum(p.numel() for p in policy.parameters()),
+            "gradient_mib": sum(p.numel() * p.element_size() for p in trainable) / 2**20,
+            "gradient_steps": cfg.algorithm.update_epochs * cfg.algorithm.num_minibatches,
             "infer": Curve.fit(sizes, infer_t), "rollout_memory": Curve.fit(sizes, infer_m),
             "train": Curve.fit(train_sizes, train_t), "actor_memory": Curve.fit(train_sizes, train_m),
             "offload_s": offload_s}
@@ -246,6 +253,26 @@ def channel_costs(lockstep: _Probe, piped: _Probe | None, shared: _Probe | None,
     return {"hop_s": hop, "message_s": message, "shared_message_s": shared_message}
 
 
+def measure_allreduce(gradient_mib: float, device_kind: str, repeats: int = 5) -> Curve:
+    """Seconds of one all-reduce between two actor ranks (two Ray actors in a real process group,
+    on devices 0 and 1 of this node) for ``gradient_mib`` MiB and for a tiny buffer: the fixed
+    (latency) and per-MiB terms of the gradient reduction."""
+    import ray
+
+    probe = ray.remote(AllReduceProbe)
+    resources = {"num_gpus": 1} if device_kind == "gpu" else {"num_cpus": 0}
+    ranks = [probe.options(**resources).remote(device_kind, 0) for _ in range(2)]
+    try:
+        address = ray.get(ranks[0].open.remote())
+        ray.get([r.join.remote(address, i, 2) for i, r in enumerate(ranks)])
+        sizes = [1 / 1024, max(gradient_mib, 1 / 512)]
+        seconds = [max(ray.get([r.seconds.remote(mib, repeats) for r in ranks])) for mib in sizes]
+    finally:
+        for r in ranks:
+            ray.kill(r)
+    return Curve.fit(sizes, seconds)
+
+
 def measure(cfg, sizes: list[int], devices: int, runners: StageRunners, repeats: int = 5, log=print) -> Profile:
     """Profile every stage of ``cfg`` on this machine (see the module doc), run by ``runners``."""
     started = time.perf_counter()
@@ -267,6 +294,9 @@ def measure(cfg, sizes: list[int], devices: int, runners: StageRunners, repeats:
     finally:
         torch.set_num_threads(threads)
         gc.collect()
+    kind = "gpu" if device.type == "cuda" else "cpu"
+    # data-parallel actor ranks need two devices; on one, the planner has no degree to choose
+    allreduce = measure_allreduce(policy["gradient_mib"], kind) if split else Curve(0.0, 0.0)
     log(f"profile: rollouts on the workers {workers_s:.0f} s, policy in-process "
         f"{time.perf_counter() - started - workers_s:.0f} s")
     message = sum(v[0].nbytes for v in lockstep.obs.values()) + 4 * lockstep.action_dim * cfg.policy.chunk_size
@@ -274,8 +304,7 @@ def measure(cfg, sizes: list[int], devices: int, runners: StageRunners, repeats:
     return Profile(env_step=env_step,
                    env_memory=Curve(0.0, lockstep.env_memory_mib / n), weight_sync_s=lockstep.weight_sync_s,
                    episode_steps=lockstep.episode_steps, message_mib_per_env=message / 2**20,  # float32 actions
-                   device_kind="gpu" if device.type == "cuda" else "cpu",
-                   device_memory=_device_memory_mib(device, devices),
+                   device_kind=kind, device_memory=_device_memory_mib(device, devices), allreduce=allreduce,
                    **channel_costs(lockstep, piped, shared, env_step, policy["infer"], n), **policy)
 
 

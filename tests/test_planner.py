@@ -175,3 +175,75 @@ def test_a_saved_profile_answers_what_if_questions_offline(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["nodes"] == 2
     proc = run_cli("plan", "--profile", str(tmp_path / "missing.json"))
     assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+# -- data-parallel actor ranks ---------------------------------------------------------------
+from scheduler.cost_model import device_memory, train_seconds  # noqa: E402
+
+
+def _ranks(c: Candidate, r: int) -> Candidate:
+    return dataclasses.replace(c, actor_ranks=r)
+
+
+@pytest.mark.parametrize("kind", ["gpu", "cpu"])
+def test_one_actor_rank_trains_as_the_profile_measured(kind: str):
+    p = _profile(device_kind=kind, allreduce=Curve(0.01, 0.1), gradient_mib=50, gradient_steps=8)
+    c = Candidate("colocated", 4, 4, 4)
+    assert train_seconds(c, p, WORK) == p.train(WORK.num_envs * WORK.steps)
+
+
+def test_gpu_ranks_split_the_samples_and_pay_a_ring_all_reduce_per_step():
+    p = _profile(device_kind="gpu", train=Curve(0.5, 0.001), allreduce=Curve(0.002, 0.01), gradient_mib=100,
+                 gradient_steps=8)
+    c = Candidate("colocated", 4, 4, 4)
+    n = WORK.num_envs * WORK.steps
+    ring = 3 * 0.002 + 2 * 3 / 4 * 100 * 0.01  # (R - 1) latencies, 2 (R - 1) / R of the bytes
+    assert train_seconds(_ranks(c, 4), p, WORK) == pytest.approx(p.train(n / 4) + 8 * ring)
+    sharded = dataclasses.replace(WORK, sharded=True)  # FSDP: 1.5 times the bytes
+    assert train_seconds(_ranks(c, 4), p, sharded) == pytest.approx(p.train(n / 4) + 8 * (3 * 0.002 + 1.5 * 1.5))
+    free = dataclasses.replace(p, allreduce=Curve(0.0, 0.0))
+    times = [train_seconds(_ranks(c, r), free, WORK) for r in (1, 2, 4)]
+    assert times[0] > times[1] > times[2]
+
+
+def test_cpu_slots_of_one_node_share_its_cores_and_ranks_on_other_nodes_do_not():
+    p = _profile(device_kind="cpu", train=Curve(0.5, 0.001))
+    c = Candidate("colocated", 4, 4, 4)
+    one_node = train_seconds(_ranks(c, 4), p, WORK)
+    assert one_node >= train_seconds(c, p, WORK)  # four slots of one node are no faster than one using them all
+    four_nodes = train_seconds(_ranks(c, 4), p, WORK, Network(devices_per_node=1))
+    assert four_nodes == pytest.approx(p.train(WORK.num_envs * WORK.steps / 4) + 2 * 3 * Network().latency_s)
+
+
+def test_sharding_divides_the_training_state_over_the_ranks():
+    p = _profile(actor_memory=Curve(40_000, 0.5), device_memory=80_000)
+    c = Candidate("disaggregated", 1, 1, 4, 1)
+    n = WORK.num_envs * WORK.steps
+    replicated, sharded = device_memory(_ranks(c, 4), p, WORK), device_memory(_ranks(c, 4), p,
+                                                                               dataclasses.replace(WORK, sharded=True))
+    actor_devices = [2, 3, 4, 5]
+    assert all(replicated[d] == pytest.approx(40_000 + 0.5 * n / 4) for d in actor_devices)
+    assert all(sharded[d] == pytest.approx(10_000 + 0.5 * n / 4) for d in actor_devices)
+
+
+def test_a_policy_too_big_for_one_device_trains_sharded_on_several():
+    """FSDP's what-if: 150 GB of training state fits on no 80 GB device, but over 4 sharded ranks."""
+    p = _profile(device_kind="gpu", actor_memory=Curve(150_000, 0.0), device_memory=80_000,
+                 allreduce=Curve(0.001, 0.001), gradient_mib=1000)
+    assert plan(p, WORK, devices=4).best is None
+    best = plan(p, dataclasses.replace(WORK, sharded=True), devices=6).best
+    assert best is not None and best.candidate.actor_ranks >= 2
+
+
+def test_ranks_that_do_not_split_the_envs_are_infeasible():
+    c = _ranks(Candidate("hybrid", 1, 3, 3), 3)
+    assert "actor ranks" in predict(c, _profile(), Workload(num_envs=64, steps=5)).infeasible
+    grpo = Workload(num_envs=64, steps=5, group_size=32)
+    assert "actor ranks" in predict(_ranks(Candidate("hybrid", 1, 4, 4), 4), _profile(), grpo).infeasible
+
+
+def test_the_planner_searches_the_data_parallel_degree():
+    names = {c.actor_ranks for c in candidates(8) if c.mode == "colocated"}
+    assert names == {1, 2, 4, 8}
+    p = _profile(device_kind="gpu", train=Curve(2.0, 0.01), allreduce=Curve(0.0001, 0.0001), gradient_mib=10)
+    assert plan(p, WORK, devices=4).best.candidate.actor_ranks > 1  # training dominates, reduction is cheap
