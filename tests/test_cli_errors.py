@@ -48,6 +48,15 @@ CASES = {
     "placement: stages while colocated": (["train", "placement.pipeline_stages=2"], ["mode=hybrid"]),
     "placement: unknown mode": (["train", "placement.mode=pipelined"], ["disaggregated"]),
     "unknown benchmark": (["bench", "pipelin"], ["pipeline"]),
+    "more actor ranks than devices": (["train", "placement.actor_workers=2", "placement.actor=0"],
+                                      ["actor_workers=2", "placement.actor at least 2 devices"]),
+    "batch does not split over actor ranks": (["train", "env.num_envs=6", "placement.actor_workers=4",
+                                               "placement.actor=0-3"], ["num_envs=6", "multiple of 4"]),
+    "GRPO group spans actor ranks": (["train", "algorithm=grpo", "env.num_envs=16", "placement.actor_workers=4",
+                                      "placement.actor=0-3"], ["group_size=8", "span actor ranks"]),
+    "broadcast weight sync with actor ranks": (["train", "placement.weight_sync=broadcast", "placement.actor_workers=2",
+                                                "placement.actor=0-1"], ["weight_sync=broadcast", "shared_memory"]),
+    "unknown data-parallel strategy": (["train", "placement.data_parallel=zero3"], ["zero3", "replicate, fsdp"]),
 }
 
 

@@ -84,7 +84,7 @@ def _probe(address: str, run_dir: Path, *overrides: str) -> dict:
 
 
 @pytest.mark.parametrize("overrides, expected, weight_sync", [
-    # the first two are slow, for the suite's time: the broadcast case also splits groups over the nodes
+    # all but the last are slow, for the suite's time: the last also splits a group over the nodes
     # env on the second node; rollout and actor on the head, sharing its slot
     pytest.param(["placement.mode=hybrid", "placement.env=1", "placement.rollout=0", "placement.actor=0"],
                  {"env": ["node_b"], "rollout": ["node_a"], "actor": ["node_a"]}, "shared_memory",
@@ -93,10 +93,15 @@ def _probe(address: str, run_dir: Path, *overrides: str) -> dict:
     pytest.param(["placement.mode=colocated", "placement.env=1", "placement.rollout=1", "placement.actor=0"],
                  {"env": ["node_b"], "rollout": ["node_b"], "actor": ["node_a"]}, "object_store",
                  marks=pytest.mark.slow),
-    (["placement.mode=colocated", "placement.env=1", "placement.rollout=1", "placement.actor=0",
-      "placement.weight_sync=broadcast"],
-     {"env": ["node_b"], "rollout": ["node_b"], "actor": ["node_a"]}, "broadcast"),
-], ids=["env-on-node-b", "actor-on-head-only", "broadcast-across-nodes"])
+    pytest.param(["placement.mode=colocated", "placement.env=1", "placement.rollout=1", "placement.actor=0",
+                  "placement.weight_sync=broadcast"],
+                 {"env": ["node_b"], "rollout": ["node_b"], "actor": ["node_a"]}, "broadcast",
+                 marks=pytest.mark.slow),
+    # two data-parallel actor ranks, one on each node, in one gloo group over the nodes (FSDP2)
+    (["placement.mode=colocated", "placement.env=1", "placement.rollout=1", "placement.actor=0-1",
+      "placement.actor_workers=2", "placement.data_parallel=fsdp"],
+     {"env": ["node_b"], "rollout": ["node_b"], "actor": ["node_a", "node_b"]}, "object_store"),
+], ids=["env-on-node-b", "actor-on-head-only", "broadcast-across-nodes", "actor-ranks-on-both-nodes"])
 def test_groups_run_on_the_nodes_placement_names(two_nodes, tmp_path, overrides, expected, weight_sync):
     out = _probe(two_nodes, tmp_path, "placement.env_workers=1", *overrides)
     assert out["groups"] == expected
