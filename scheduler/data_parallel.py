@@ -22,6 +22,8 @@ every collective is then the identity.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -205,9 +207,6 @@ class AllReduceProbe:
 
     def seconds(self, mib: float, repeats: int) -> float:
         """The median seconds of one all-reduce of ``mib`` MiB of float32 (after one warm-up)."""
-        import statistics
-        import time
-
         import torch.distributed as dist
 
         buffer = torch.zeros(max(int(mib * 2**20 / 4), 1), device=self.device)
