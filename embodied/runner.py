@@ -90,7 +90,7 @@ class Workers:
 
         if len(self.actor) == 1:
             return "single"
-        address = ray.get(self.actor.workers[0].open_data_parallel.remote())
+        address = ray.get(self.actor.workers[0].group_address.remote())
         return self.actor.call("join_data_parallel", address, self.cfg.placement.data_parallel)[0]
 
     # -- weight sync and turns ------------------------------------------------------------
@@ -102,7 +102,7 @@ class Workers:
             self.rollout.call("attach_shared_weights", layout)
             self.actor.call("unlink_shared_weights")  # every mapping is made: nothing left to clean up
         elif self.plan.weight_sync == "broadcast":
-            address = self.actor.call("open_broadcast_group")[0]
+            address = self.actor.call("group_address")[0]
             world = 1 + len(self.rollout)
             ray.get(self.actor.call_async("join_broadcast_group", address, world)
                     + self.rollout.call_async("join_broadcast_group", address, world))
@@ -288,7 +288,8 @@ class Trainer:
         if self.workers.auto is not None:
             auto = self.workers.auto
             self.log.note("placement", f"auto, from {auto.profile_path}:\n{auto.choice.markdown(limit=12)}")
-        self.log.note("placement", self.workers.plan.describe())
+        ranks = "" if self.workers.data_parallel == "single" else f"; actor ranks: {self.workers.data_parallel}"
+        self.log.note("placement", self.workers.plan.describe() + ranks)
         self.iteration_seconds: list[float] = []
         self.final_videos: dict[int, dict] = {}  # what final_eval filmed: episode index -> frames
 

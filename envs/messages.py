@@ -13,6 +13,7 @@ them: the profiler (``scheduler/``) builds a trajectory to time an update on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -82,14 +83,20 @@ class Trajectory:
     def num_envs(self) -> int:
         return self.actions.shape[1]
 
+    def map(self, per_step: Callable[[torch.Tensor], torch.Tensor],
+            per_env: Callable[[torch.Tensor], torch.Tensor] | None = None, obs: bool = True) -> Trajectory:
+        """``per_step`` applied to every ``[T, B, ...]`` field (``obs`` too, unless ``obs=False``:
+        then none) and ``per_env`` (default ``per_step``) to ``next_value [B]``."""
+        steps = {f.name: per_step(getattr(self, f.name)) for f in fields(self) if f.name not in ("obs", "next_value")}
+        return Trajectory(obs={k: per_step(v) for k, v in self.obs.items()} if obs else {},
+                          next_value=(per_env or per_step)(self.next_value), **steps)
+
     def envs(self, which: slice) -> Trajectory:
         """The envs ``which`` (of the ``B``) of every field."""
-        cut = {f.name: getattr(self, f.name)[:, which] for f in fields(self) if f.name not in ("obs", "next_value")}
-        return Trajectory(obs={k: v[:, which] for k, v in self.obs.items()}, next_value=self.next_value[which], **cut)
+        return self.map(lambda x: x[:, which], lambda x: x[which])
 
     def to(self, device) -> Trajectory:
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "obs"}
-        return Trajectory(obs={k: v.to(device) for k, v in self.obs.items()}, **moved)
+        return self.map(lambda x: x.to(device))
 
     @classmethod
     def concat(cls, parts: list[Trajectory]) -> Trajectory:

@@ -176,11 +176,6 @@ def _by_name(state: dict, optimizer: torch.optim.Optimizer, module: nn.Module) -
     return {"state": {names[i]: s for i, s in state["state"].items()}, "param_groups": groups}
 
 
-def open_group() -> str:
-    """Rank 0: the ``ip:port`` the actor ranks' process group meets at."""
-    return group_address()
-
-
 def join_group(address: str, rank: int, world: int, device: torch.device, strategy: str) -> DataParallel:
     """Join the actor ranks' process group (every rank at once) and return this rank's place."""
     if world > 1:

@@ -72,7 +72,7 @@ def _actors(ray, cfg, spec: dict, world: int, strategy: str) -> list:
     actors = [remote.options(num_cpus=0).remote(cfg.policy, cfg.algorithm, spec, 4, seed=3, rank=r, world_size=world)
               for r in range(world)]
     if world > 1:
-        address = ray.get(actors[0].open_data_parallel.remote())
+        address = ray.get(actors[0].group_address.remote())
         assert ray.get([a.join_data_parallel.remote(address, strategy) for a in actors]) == [strategy] * world
     ray.get([a.freeze_reference.remote() for a in actors])
     return actors

@@ -192,9 +192,7 @@ def _epochs(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Trajecto
 def _whole_batch_scores(batch: Trajectory, dp: DataParallel) -> Trajectory:
     """Every rank's envs, joined in rank order, but without observations: the scalars the
     advantages, minibatches and normalisation are computed from (``[T, B_all]``)."""
-    return Trajectory(obs={}, actions=dp.gather_envs(batch.actions, 1), logprobs=dp.gather_envs(batch.logprobs, 1),
-                      values=dp.gather_envs(batch.values, 1), rewards=dp.gather_envs(batch.rewards, 1),
-                      dones=dp.gather_envs(batch.dones, 1), next_value=dp.gather_envs(batch.next_value, 0))
+    return batch.map(lambda x: dp.gather_envs(x, 1), lambda x: dp.gather_envs(x, 0), obs=False)
 
 
 def sample_owners(valid: torch.Tensor, envs_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:

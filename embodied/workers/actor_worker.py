@@ -26,7 +26,7 @@ from scheduler.worker import Worker
 
 class ActorWorker(Worker):
     """Rank ``rank`` of ``world_size`` actor ranks (``placement.actor_workers``). One rank trains
-    from construction on; several first meet in a process group (:meth:`open_data_parallel` on
+    from construction on; several first meet in a process group (:meth:`group_address` on
     rank 0, then :meth:`join_data_parallel` on all at once) and train data-parallel
     (scheduler/data_parallel.py)."""
 
@@ -55,8 +55,8 @@ class ActorWorker(Worker):
         self.optimizer = torch.optim.Adam(optimizer_groups(self.policy, self.cfg), lr=self.cfg.lr, eps=1e-5)
         self.device_state = DeviceState(self.policy, self.optimizer)
 
-    def open_data_parallel(self) -> str:
-        """Rank 0: where the actor ranks' process group meets."""
+    def group_address(self) -> str:
+        """Rank 0: where a process group it opens meets (the actor ranks', or the weight broadcast's)."""
         return group_address()
 
     def join_data_parallel(self, address: str, strategy: str) -> str:
@@ -68,17 +68,23 @@ class ActorWorker(Worker):
         return resolved
 
     # -- weights out (FSDP gathers the shards: every rank calls; rank 0 answers) -----------------
+    def _whole(self, module: nn.Module) -> dict | None:
+        """``module``'s whole state dict on rank 0, None elsewhere (FSDP: every rank gathers)."""
+        if self.rank == 0 or self.dp.sharded:
+            weights = self.dp.full_state(module)
+            return weights if self.rank == 0 else None
+        return None
+
     def get_weights(self) -> dict | None:
-        weights = self.dp.full_state(self.policy)
-        return weights if self.rank == 0 else None
+        return self._whole(self.policy)
 
     def share_weights(self) -> SharedLayout | None:
         """Create the shared buffer rollout workers on this node read weights from."""
-        weights = self.dp.full_state(self.policy)
-        if self.rank == 0:
-            self.shared = SharedWeights(plan_layout(weights))
-            return self.shared.layout
-        return None
+        weights = self._whole(self.policy)
+        if weights is None:
+            return None
+        self.shared = SharedWeights(plan_layout(weights))
+        return self.shared.layout
 
     def unlink_shared_weights(self) -> None:
         if self.shared is not None:
@@ -88,9 +94,6 @@ class ActorWorker(Worker):
         weights = self.dp.full_state(self.policy) if self.dp.sharded else self.policy.state_dict()
         if self.shared is not None:
             self.shared.write(weights)
-
-    def open_broadcast_group(self) -> str:
-        return group_address()
 
     def join_broadcast_group(self, address: str, world_size: int) -> None:
         join_process_group(address, rank=0, world_size=world_size, device=self.device)
@@ -135,11 +138,11 @@ class ActorWorker(Worker):
     def state(self) -> dict | None:
         """Everything a checkpoint needs to continue training exactly, whole (not sharded): a run on
         any number of ranks resumes from it. Every rank calls; rank 0 answers."""
-        state = {"policy": self.dp.full_state(self.policy),
+        state = {"policy": self._whole(self.policy),
                  "optimizer": self.dp.full_optimizer_state(self.policy, self.optimizer),
                  "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
         if self.reference is not None:
-            state["reference"] = self.dp.full_state(self.reference)
+            state["reference"] = self._whole(self.reference)
         return state if self.rank == 0 else None
 
     def load_state(self, state: dict, weights_only: bool = False) -> None:
