@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -92,8 +93,32 @@ def run_workload(name: str, overrides: list[str], iterations: int) -> dict:
             "plans": {k: {"measured_s": m, "predicted_s": p} for k, (m, p) in measured.items()}}
 
 
+def actor_ranks(plan_name: str) -> int:
+    """The data-parallel actor ranks of a plan, from its name (``Candidate.name``: `` ranks=R``)."""
+    found = re.search(r" ranks=(\d+)", plan_name)
+    return int(found.group(1)) if found else 1
+
+
+def ranks_markdown(rows: list[dict]) -> list[str]:
+    """The grid with the actor ranks N as a dimension: each workload's best measured plan at each N."""
+    out = ["\nBy actor ranks (N): the best measured plan of each workload at each N.\n",
+           "| workload | N | best plan at N | measured (s) | predicted (s) | error | vs best of all N |",
+           "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        best_s = min(m["measured_s"] for m in r["plans"].values())
+        for n in sorted({actor_ranks(name) for name in r["plans"]}):
+            at_n = {k: m for k, m in r["plans"].items() if actor_ranks(k) == n}
+            name = min(at_n, key=lambda k: at_n[k]["measured_s"])
+            m = at_n[name]
+            out.append(f"| {r['name']} | {n} | {name} | {m['measured_s']:.3f} | {m['predicted_s']:.3f} | "
+                       f"{100 * (m['predicted_s'] / m['measured_s'] - 1):+.0f}% | "
+                       f"{best_s / m['measured_s']:.2f} |")
+    return out
+
+
 def grid_markdown(rows: list[dict]) -> str:
-    """The grid (one row per workload), the verdict, then every measured plan of each workload."""
+    """The grid (one row per workload), the verdict, the grid by actor ranks, then every measured
+    plan of each workload."""
     out = ["| workload | best measured plan | auto plan | auto / best throughput | predicted (s) | measured (s) | "
            "error | profiling (s) | of a 20-min run |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -104,6 +129,8 @@ def grid_markdown(rows: list[dict]) -> str:
     good = sum(r["auto_over_best"] >= 0.95 for r in rows)
     close = sum(abs(r["predicted_over_measured"] - 1) <= 0.15 for r in rows)
     out.append(f"\nauto >= 0.95x best in {good}/{len(rows)}; predicted within 15% in {close}/{len(rows)}")
+    if any(actor_ranks(name) > 1 for r in rows for name in r["plans"]):
+        out += ranks_markdown(rows)
     for r in rows:
         out += [f"\n{r['name']} (`{' '.join(WORKLOADS[r['name']])}`):\n",
                 "| plan | measured (s) | predicted (s) | error |", "|---|---:|---:|---:|"]

@@ -151,7 +151,8 @@ class PlacementConfig:
     # its devices, as on GPUs. Off by default: unpinned workers borrow idle cores
     pin_cpus: bool = False
     torch_threads: int = 1  # intra-op threads per worker (2 cores: keep 1)
-    actor_threads: int = 2  # intra-op threads of the actor while it updates (the sims are idle then)
+    # intra-op threads of the actor while it updates (the sims are idle then; CPU actor ranks on one node split them)
+    actor_threads: int = 2
 
 
 @dataclass

@@ -72,8 +72,10 @@ class Workers:
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
         self.rollout = WorkerGroup(RolloutWorker, "rollout", plan, threads, layout=self.layout,
                                    seed=cfg.runner.seed, wait=False, **common)
-        self.actor = WorkerGroup(ActorWorker, "actor", plan, threads, seed=cfg.runner.seed,
-                                 update_threads=cfg.placement.actor_threads, wait=False, **common)
+        self.actor = WorkerGroup(ActorWorker, "actor", plan, threads, seed=cfg.runner.seed, wait=False,
+                                 per_rank_kwargs=[{"update_threads": t}
+                                                  for t in plan.update_threads(cfg.placement.actor_threads)],
+                                 **common)
         wait_ready(self.rollout, self.actor)  # both groups start side by side: seconds of imports each
         self.data_parallel = self._join_actor_ranks()
         self.actor_shares = self.layout.actor_shares(len(self.rollout), len(self.actor))

@@ -35,7 +35,7 @@ from scheduler.weight_sync import group_address, join_process_group
 STRATEGIES = ("auto", "replicate", "fsdp")
 FSDP_FROM_PARAMETERS = 100_000_000  # auto: shard from here on (fp32 training state ~1.6 GB a replica)
 # methods the trainer calls instead of forward(): FSDP gathers the root's parameters around them
-FORWARD_METHODS = ("evaluate", "value", "act")
+FORWARD_METHODS = ("evaluate", "value", "act", "bin_distributions")
 
 
 def resolve_strategy(choice: str, parameters: int) -> str:
@@ -117,7 +117,8 @@ class DataParallel:
             fully_shard(unit)
         fully_shard(policy)
         for method in FORWARD_METHODS:
-            register_fsdp_forward_method(policy, method)
+            if hasattr(policy, method):  # bin_distributions: token policies only
+                register_fsdp_forward_method(policy, method)
         return policy
 
     def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -126,6 +127,14 @@ class DataParallel:
         if self.sharded:
             state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
         return {k: v.detach().cpu() for k, v in state.items()}
+
+    def whole_state(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        """``module``'s whole state dict on rank 0, None elsewhere. Every rank calls: FSDP
+        gathers the shards (replicate ranks other than 0 copy nothing)."""
+        if self.rank == 0 or self.sharded:
+            state = self.full_state(module)
+            return state if self.rank == 0 else None
+        return None
 
     def load_full_state(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load a whole (unsharded) state dict, as :meth:`full_state` returns it."""

@@ -104,6 +104,16 @@ class Plan:
     def device(self, group: str, rank: int) -> Device:
         return self.cluster.devices[self.groups[group].device_of(rank)]
 
+    def update_threads(self, actor_threads: int) -> list[int]:
+        """Each actor rank's intra-op threads while it updates (``placement.actor_threads``). CPU
+        ranks on one node share its cores: they split the threads, so that together they run as
+        many as one rank would (more would only contend for the cores). GPU ranks: each all."""
+        actor = self.groups["actor"]
+        nodes = [self.device("actor", r).node_id for r in range(actor.num_workers)]
+        if self.device_kind != "cpu":
+            return [actor_threads] * len(nodes)
+        return [max(1, actor_threads // nodes.count(node)) for node in nodes]
+
     def ranks_per_device(self) -> dict[int, int]:
         users: dict[int, int] = {}
         for group in self.groups.values():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from embodied.algorithms.losses import LossTerms, ppo_loss
+from embodied.algorithms.sft import chunk_targets
 from embodied.config import compose
-from embodied.sft import chunk_targets
 from envs.chunking import ChunkedVecEnv
 from envs.registry import make_vec_env
 from tests.conftest import small_config

@@ -111,7 +111,11 @@ def test_one_update_on_two_ranks_gives_the_weights_of_one_rank(ray_cluster, case
         start = ray.get(one[0].get_weights.remote())
         start = {k: v.clone() for k, v in start.items()}
         stats_one, after_one = _update(ray, one, batch)
+        _offload_and_onload(ray, two)  # context switching: each rank parks its shard, then trains on it again
         stats_two, after_two = _update(ray, two, batch)
+        trained = ray.get([a.state.remote() for a in two])[0]
+        assert all(moved > 0 for moved in _offload_and_onload(ray, two))  # ... with Adam moments now
+        assert_same_state(ray.get([a.state.remote() for a in two])[0], trained)
         # a checkpoint of one rank loads on two (whole state in, whole state out)
         state = ray.get(one[0].state.remote())
         ray.get([a.load_state.remote(state) for a in two])
@@ -123,13 +127,28 @@ def test_one_update_on_two_ranks_gives_the_weights_of_one_rank(ray_cluster, case
     assert moved > 1e-4, "the update changed nothing: the comparison would prove nothing"
     for key in after_one:
         torch.testing.assert_close(after_two[key], after_one[key], atol=1e-6, rtol=0, msg=key)
-    for key in state["policy"]:
-        assert torch.equal(reloaded["policy"][key], state["policy"][key]), key
-    for index, moments in state["optimizer"]["state"].items():
-        assert torch.equal(reloaded["optimizer"]["state"][index]["exp_avg_sq"], moments["exp_avg_sq"])
+    assert_same_state(reloaded, state)
     assert stats_two["samples"] == stats_one["samples"] and stats_two["epochs"] == stats_one["epochs"]
     for key in ("approx_kl", "grad_norm", "policy_loss"):
         assert stats_two[key] == pytest.approx(stats_one[key], rel=1e-4, abs=1e-6), key
+
+
+def _offload_and_onload(ray, actors: list) -> list[int]:
+    """Every rank parks its state, then brings it back; the bytes each parked."""
+    moved = ray.get([a.offload.remote() for a in actors])
+    ray.get([a.onload.remote() for a in actors])
+    return [m["bytes_moved"] for m in moved]
+
+
+def assert_same_state(got: dict, expected: dict) -> None:
+    """Two whole actor states hold the same weights and Adam moments, bit for bit."""
+    assert got["policy"].keys() == expected["policy"].keys()
+    for key, value in expected["policy"].items():
+        assert torch.equal(got["policy"][key], value), key
+    assert got["optimizer"]["state"].keys() == expected["optimizer"]["state"].keys()
+    for index, moments in expected["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got["optimizer"]["state"][index][name], moments[name]), (index, name)
 
 
 # -- the runner with two actor ranks ---------------------------------------------------------

@@ -83,3 +83,16 @@ def test_hybrid_needs_the_actor_to_share():
     with pytest.raises(UserError, match="mode=disaggregated"):
         make_plan(PlacementConfig(mode="hybrid", env="0", rollout="1", actor="2", env_workers=1),
                   ClusterDevices.single_node("cpu", 3), num_envs=8)
+
+
+@pytest.mark.parametrize(("kind", "nodes", "threads", "expected"), [
+    ("cpu", ["head"], 2, [2]),  # one rank: all of actor_threads
+    ("cpu", ["head", "head"], 2, [1, 1]),  # two ranks on a node's cores: one thread each
+    ("cpu", ["head", "head", "head", "head"], 2, [1, 1, 1, 1]),  # never below 1
+    ("cpu", ["head", "head", "b"], 4, [2, 2, 4]),
+    ("gpu", ["head", "head"], 4, [4, 4]),  # GPU ranks do not share a device
+])
+def test_actor_ranks_on_one_cpu_node_split_its_update_threads(kind, nodes, threads, expected):
+    cluster = ClusterDevices(kind, [Device(i, node, i) for i, node in enumerate(nodes)])
+    plan = make_plan(PlacementConfig(actor=f"0-{len(nodes) - 1}", actor_workers=len(nodes)), cluster, num_envs=12)
+    assert plan.update_threads(threads) == expected

@@ -68,19 +68,12 @@ class ActorWorker(Worker):
         return resolved
 
     # -- weights out (FSDP gathers the shards: every rank calls; rank 0 answers) -----------------
-    def _whole(self, module: nn.Module) -> dict | None:
-        """``module``'s whole state dict on rank 0, None elsewhere (FSDP: every rank gathers)."""
-        if self.rank == 0 or self.dp.sharded:
-            weights = self.dp.full_state(module)
-            return weights if self.rank == 0 else None
-        return None
-
     def get_weights(self) -> dict | None:
-        return self._whole(self.policy)
+        return self.dp.whole_state(self.policy)
 
     def share_weights(self) -> SharedLayout | None:
         """Create the shared buffer rollout workers on this node read weights from."""
-        weights = self._whole(self.policy)
+        weights = self.dp.whole_state(self.policy)
         if weights is None:
             return None
         self.shared = SharedWeights(plan_layout(weights))
@@ -138,11 +131,11 @@ class ActorWorker(Worker):
     def state(self) -> dict | None:
         """Everything a checkpoint needs to continue training exactly, whole (not sharded): a run on
         any number of ranks resumes from it. Every rank calls; rank 0 answers."""
-        state = {"policy": self._whole(self.policy),
+        state = {"policy": self.dp.whole_state(self.policy),
                  "optimizer": self.dp.full_optimizer_state(self.policy, self.optimizer),
                  "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
         if self.reference is not None:
-            state["reference"] = self._whole(self.reference)
+            state["reference"] = self.dp.whole_state(self.reference)
         return state if self.rank == 0 else None
 
     def load_state(self, state: dict, weights_only: bool = False) -> None:
