@@ -94,5 +94,7 @@ def test_hybrid_needs_the_actor_to_share():
 ])
 def test_actor_ranks_on_one_cpu_node_split_its_update_threads(kind, nodes, threads, expected):
     cluster = ClusterDevices(kind, [Device(i, node, i) for i, node in enumerate(nodes)])
-    plan = make_plan(PlacementConfig(actor=f"0-{len(nodes) - 1}", actor_workers=len(nodes)), cluster, num_envs=12)
+    last = len(nodes) - 1
+    placement = PlacementConfig(env=f"0-{last}", rollout=f"0-{last}", actor=f"0-{last}", actor_workers=len(nodes))
+    plan = make_plan(placement, cluster, num_envs=12)
     assert plan.update_threads(threads) == expected
