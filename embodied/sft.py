@@ -57,11 +57,14 @@ class SftRanks:
                                  action_stats=action_stats, seed=cfg.runner.seed)
         address = ray.get(self.ranks.workers[0].group_address.remote())
         self.strategy = self.ranks.call("start", address, cfg.placement.data_parallel)[0]
+        self._demos: tuple | None = None
 
     def epoch(self, obs: dict[str, torch.Tensor], targets: torch.Tensor, advance) -> dict[str, float]:
         import ray
 
-        stats = self.ranks.call("epoch", ray.put(obs), ray.put(targets))[0]  # every rank's are the same
+        if self._demos is None:  # into the object store once: every epoch and rank reads the same copy
+            self._demos = (ray.put(obs), ray.put(targets))
+        stats = self.ranks.call("epoch", *self._demos)[0]  # every rank's are the same
         advance(len(targets))
         return stats
 
