@@ -9,6 +9,7 @@ from policies.base import POLICIES
 def _import_policies() -> None:
     import policies.cnn  # noqa: F401  (each module registers its policies)
     import policies.mlp  # noqa: F401
+    import policies.mlp_tokens  # noqa: F401
     import policies.random  # noqa: F401
     import policies.vla.oft  # noqa: F401
     import policies.vla.policy  # noqa: F401

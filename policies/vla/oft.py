@@ -30,6 +30,7 @@ from torch import nn
 
 from envs.common import UserError
 from policies.base import POLICIES
+from policies.token_actions import ParallelTokenPolicy
 from policies.vla.policy import OpenVLAPolicy, dataset_statistics
 
 STOP_TOKEN_ID = 2  # Llama's </s>: OFT's STOP_INDEX
@@ -119,8 +120,9 @@ def bidirectional_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @POLICIES.register("openvla_oft")
-class OpenVLAOFTPolicy(OpenVLAPolicy):
-    """OpenVLA backbone (same checkpoint layout), parallel decoding of ``policy.chunk_size`` actions."""
+class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
+    """OpenVLA backbone (same checkpoint layout), parallel decoding of ``policy.chunk_size`` actions:
+    sampling, log-probs and the value come from :class:`ParallelTokenPolicy` over :meth:`token_logits`."""
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__(cfg, obs_spec, action_dim)
@@ -197,22 +199,19 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         value = self.value_head(hidden[:, 0]).squeeze(-1)  # the last prompt token
         return out.logits[:, end - tokens:end], hidden, value
 
-    def _parallel(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(bin log-probs [B, T, n_bins], value [B])``."""
+    def token_logits(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logits, _, value = self._forward(obs)
-        return self._bin_logprobs(logits), value
+        return logits, value
 
     @torch.no_grad()
     def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False, noise: torch.Tensor | None = None):
         """Token OFT: sampled (or greedy) bins ``[B, T]``. L1 OFT: the regressed normalised chunk
         ``[B, T]`` (deterministic either way; its log-probs are zeros)."""
-        if self.action_head is not None:
-            _, hidden, value = self._forward(obs)
-            chunk = self.action_head(hidden, self.chunk_size).flatten(1).float()
-            return chunk, torch.zeros_like(chunk), value
-        logp, value = self._parallel(obs)
-        bins = self._sample(logp, self._uniform(logp.shape[0], deterministic, noise, logp.device))
-        return bins.float(), logp.gather(-1, bins.unsqueeze(-1)).squeeze(-1), value
+        if self.action_head is None:
+            return super().act(obs, deterministic, noise)
+        _, hidden, value = self._forward(obs)
+        chunk = self.action_head(hidden, self.chunk_size).flatten(1).float()
+        return chunk, torch.zeros_like(chunk), value
 
     def to_env(self, actions: torch.Tensor) -> torch.Tensor:
         if self.action_head is None:
@@ -220,15 +219,6 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
         chunk = self.actions.unnormalize(actions.unflatten(-1, (self.chunk_size, self.action_dim)).cpu())
         chunk = self.adapter.actions(chunk.to(actions.device))
         return chunk if self.chunk_size > 1 else chunk[:, 0]
-
-    def bin_distributions(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
-        """Log-probs of every bin at every action token ``[B, T, n_bins]`` (they do not depend on
-        ``actions``: nothing is fed back), and the value."""
-        return self._parallel(obs)
-
-    @torch.no_grad()
-    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._forward(obs)[2]
 
     def save_pretrained(self, path: str | Path) -> None:
         """A model directory ``policy.model_path`` loads: the backbone, tokenizer and OFT's component files."""

@@ -1,18 +1,11 @@
 """Token VLA policies behind the Policy protocol: action tokens sampled autoregressively (OpenVLA,
 Qwen-VL) or in parallel (OpenVLA-OFT), a value head on the last prompt token's hidden state,
-PPO / GRPO log-probs per action token.
+PPO / GRPO log-probs per action token. What every token-action policy shares (tokens, sampling from
+seeded noise, log-probs, decoding to env actions) is ``policies/token_actions.py``'s; this module
+adds the language backbone: prompts, KV-cached decoding, LoRA, vLLM and model directories.
 
-``act(obs)`` -> ``(bins [B, T] as float, token log-probs [B, T], value [B])`` with ``T =
-chunk_size * A`` tokens: ``policy.chunk_size`` actions of ``A`` dimensions, one token each. The
-policy's "actions" are the sampled bins (what is scored); :meth:`to_env` decodes them into the
-env's continuous actions, ``[B, A]`` or, for chunks, ``[B, chunk_size, A]``. The PPO update sums
-token log-probs to the level it trains at (``algorithm.logprob_level``: token, action, chunk).
 Observations: ``rgb`` uint8 ``[B, H, W, 3]``, ``state`` (proprioception, OFT) and, where the env
 has one, ``instruction`` uint8 ``[B, 128]`` (else ``policy.instruction``).
-
-Sampling uses the caller's standard-normal ``noise [B, T]``: token ``j`` is the inverse
-CDF of the (temperature-scaled, action-masked) distribution at ``Phi(noise[:, j])``, so
-rollouts are as reproducible as a Gaussian policy's.
 """
 
 from __future__ import annotations
@@ -26,7 +19,8 @@ import torch
 from torch import nn
 
 from envs.common import UserError, unknown_name_error
-from policies.base import POLICIES, Policy
+from policies.base import POLICIES
+from policies.token_actions import TokenActionPolicy
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.adapters import InputAdapter
 from policies.vla.openvla import PROMPT, OpenVLAForActionPrediction, tiny_config
@@ -58,17 +52,14 @@ class DecodeState:
     positions: torch.Tensor | None = None
 
 
-class TokenVLAPolicy(Policy):
+class TokenVLAPolicy(TokenActionPolicy):
     """Base of VLA policies that emit one token per action dimension.
 
     A subclass calls :meth:`_setup_rl` (action tokens, sampling settings, value head, LoRA)
     and implements :meth:`_run` (one forward pass over the prompt, optionally followed by
-    action tokens) and :meth:`_step` (one more token with the KV cache).
+    action tokens) and :meth:`_step` (one more token with the KV cache). The backbone is the
+    actor's: critic warm-up trains the value head alone.
     """
-
-    chunks = True  # policy.chunk_size actions per decision
-    token_actions = True
-    critic_modules = ("value_head",)  # the backbone is the actor's: critic warm-up trains the head alone
 
     def _run(self, obs: dict[str, torch.Tensor], action_ids: torch.Tensor | None = None,
              use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor, DecodeState]:
@@ -86,15 +77,10 @@ class TokenVLAPolicy(Policy):
     def _setup_rl(self, cfg, action_dim: int, actions: ActionTokenizer, hidden: int, lora_target: nn.Module) -> None:
         """What every VLA policy adds to its backbone: action tokens, sampling settings, a value
         head on ``hidden``-wide states and, with ``policy.lora_rank``, LoRA in ``lora_target``."""
-        self.action_dim, self._action_tokenizer = action_dim, actions
-        # the q01 / q99 statistics travel with the weights (checkpoints, weight syncs): SFT sets them
-        self.register_buffer("action_stats", actions.stats.as_tensor())
-        self.chunk_size = cfg.chunk_size
-        self.noise_dim = cfg.chunk_size * action_dim  # tokens per decision: T
-        self.temperature, self.instruction = cfg.temperature, cfg.instruction
+        self._setup_actions(cfg, action_dim, actions)
+        self.instruction = cfg.instruction
         self.model_path, self.unnorm_key = cfg.model_path, cfg.unnorm_key
         self.backend, self.generator = cfg.backend, None  # generator: the vLLM engine, once built
-        self.adapter = InputAdapter.from_config(cfg)
         if cfg.backend not in GENERATION_BACKENDS:
             raise unknown_name_error("generation backend (policy.backend)", cfg.backend, GENERATION_BACKENDS)
         self.value_head = make_value_head(hidden).to(next(lora_target.parameters()).dtype)  # the backbone's
@@ -114,42 +100,6 @@ class TokenVLAPolicy(Policy):
         inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS), module)
         for name, param in self.named_parameters():
             param.requires_grad = "lora_" in name or name.startswith("value_head")
-
-    @property
-    def actions(self) -> ActionTokenizer:
-        """The action tokenizer, normalising with the statistics in ``action_stats`` as they are
-        now (a checkpoint load or a weight sync replaces that buffer's data)."""
-        self._action_tokenizer.stats = ActionStats.from_tensor(self.action_stats.cpu())
-        return self._action_tokenizer
-
-    def set_action_stats(self, stats: ActionStats) -> None:
-        """Normalise actions with ``stats`` from now on (SFT: its demos' q01 / q99)."""
-        self.action_stats.copy_(stats.as_tensor())
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Checkpoints saved before ``action_stats`` existed normalised with [-1, 1]: they load so."""
-        if "action_stats" not in state_dict:
-            state_dict = {**state_dict, "action_stats": ActionStats.identity(self.action_dim).as_tensor()}
-        return super().load_state_dict(state_dict, strict, assign)
-
-    def _bin_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[..., V]`` logits -> log-probs over the action bins ``[..., n_bins]`` (masked, tempered)."""
-        return torch.log_softmax(logits[..., self.actions.action_ids.to(logits.device)] / self.temperature, dim=-1)
-
-    def _sample(self, logp: torch.Tensor, uniform: torch.Tensor | None) -> torch.Tensor:
-        """The mode (``uniform=None``) or the inverse CDF at ``uniform [...]`` of ``logp [..., n_bins]``:
-        bins ``[...]``."""
-        if uniform is None:
-            return logp.argmax(-1)
-        cdf = logp.exp().cumsum(-1).contiguous()
-        bins = torch.searchsorted(cdf, (uniform * cdf[..., -1]).unsqueeze(-1).contiguous()).squeeze(-1)
-        return bins.clamp(max=self.actions.n_bins - 1)
-
-    def _uniform(self, batch: int, deterministic: bool, noise: torch.Tensor | None, device) -> torch.Tensor | None:
-        """``Phi(noise) [B, T]`` (fresh noise if none is given), or None for greedy decoding."""
-        if deterministic:
-            return None
-        return torch.special.ndtr((torch.randn(batch, self.noise_dim) if noise is None else noise).to(device))
 
     # -- the Policy protocol ---------------------------------------------------------------
     @torch.no_grad()
@@ -192,18 +142,6 @@ class TokenVLAPolicy(Policy):
         value = self.value_head(hidden[:, -self.noise_dim]).squeeze(-1)
         return self._bin_logprobs(logits[:, -self.noise_dim:]), value
 
-    def token_logprobs(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
-        """``(log-probs [B, T], entropies [B, T], value [B])`` of the bins ``actions``, token by token."""
-        logp, value = self.bin_distributions(obs, actions)
-        token_logp = logp.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-        return token_logp, -(logp.exp() * logp).sum(-1), value
-
-    def evaluate(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
-        """Token log-probs ``[B, T]`` (the update sums them to ``algorithm.logprob_level``), the
-        entropy of the whole decision ``[B]`` and the value ``[B]``."""
-        token_logp, entropy, value = self.token_logprobs(obs, actions)
-        return token_logp, entropy.sum(-1), value
-
     @torch.no_grad()
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         _, hidden, _ = self._run(obs)
@@ -219,15 +157,6 @@ class TokenVLAPolicy(Policy):
         if bool(stats.normalize_mask.any()):  # [-1, 1] actions need no file
             key = self.unnorm_key or "embodied"
             (Path(path) / STATS_FILE).write_text(json.dumps({key: {"action": stats.to_dict()}}, indent=1))
-
-    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
-        """Sampled bins ``[B, T]`` -> continuous env actions (bin centres, un-normalised, then the
-        checkpoint family's gripper post-processing): ``[B, A]``, or ``[B, chunk_size, A]`` for chunks."""
-        decoded = self.actions.decode(self.actions.action_ids.to(actions.device)[actions.long()].unflatten(
-            -1, (self.chunk_size, self.action_dim)))
-        decoded = self.adapter.actions(decoded)
-        return decoded if self.chunk_size > 1 else decoded[:, 0]
-
 
 def require_model_dir(path: str, hub_id: str) -> None:
     """A clear error for a ``policy.model_path`` that is not a saved model directory."""
