@@ -50,6 +50,9 @@ class PolicyConfig:
     log_std_init: float = -0.5  # initial log std of the Gaussian action distribution
     cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 64])  # cnn only
     feature_dim: int = 256  # cnn only: image embedding size
+    # mlp_tokens only: how the trunk gives the 256 bin logits of each action token (policies/mlp_tokens.py):
+    # "logits" (free, as a VLA's LM head) or "gaussian" (a Gaussian's log-density at the bins)
+    token_head: str = "logits"
     # VLA policies (policies/vla/)
     model_path: str | None = None  # a save_pretrained directory (model + tokenizer); None: a tiny model from scratch
     dtype: str = "float32"  # VLAs: the weights' dtype once loaded: float32 | bfloat16 (checkpoints ship bf16)

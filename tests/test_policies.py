@@ -53,8 +53,15 @@ def test_cnn_rejects_state_only_envs():
         make_policy(cfg.policy, STATE_SPEC, 8)
 
 
+def test_mlp_tokens_rejects_image_only_envs():
+    cfg = compose(["policy=mlp_tokens"])
+    with pytest.raises(UserError, match="obs_mode: state"):
+        make_policy(cfg.policy, {"rgb": ((64, 64, 3), torch.uint8)}, 8)
+
+
 @pytest.mark.parametrize("name, obs_spec", [
     ("mlp", {"state": ((42,), "float32")}),
+    ("mlp_tokens", {"state": ((42,), "float32")}),
     ("cnn", {"rgb": ((64, 64, 3), "uint8"), "state": ((25,), "float32")}),
 ])
 def test_batch_invariant_inference_matches_any_split(name, obs_spec):

@@ -1,5 +1,6 @@
 """VLA policies behind the Policy protocol (tiny OpenVLA, OpenVLA-OFT and Qwen2.5-VL VLA, CPU):
-log-probs at every level, sampling, action chunks, LoRA, loading a saved directory."""
+log-probs at every level, sampling, action chunks, LoRA, loading a saved directory. The token-action
+tests also run on policy=mlp_tokens, the same action path on an MLP trunk."""
 
 
 from types import SimpleNamespace
@@ -18,6 +19,8 @@ ACTION_DIM = 4
 
 
 MODELS = ["openvla_tiny", "openvla_oft_tiny", "qwen_vl_tiny"]
+# every policy on the VLAs' token-action path: the VLAs and the MLP trunk (policies/mlp_tokens.py)
+TOKEN_POLICIES = [*MODELS, "mlp_tokens"]
 
 
 def _policy(model: str, *overrides: str, seed: int = 0):
@@ -32,12 +35,12 @@ def _obs(batch: int = 6, seed: int = 0) -> dict:
             "state": torch.randn(batch, 9, generator=g)}
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=TOKEN_POLICIES)
 def policy(request):
     return _policy(request.param, "policy.chunk_size=1").eval()
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=TOKEN_POLICIES)
 def chunked(request):
     """The same models decoding a chunk of 3 actions per decision."""
     return _policy(request.param, "policy.chunk_size=3").eval()
@@ -118,11 +121,11 @@ def test_lora_update_changes_only_adapters_and_value_head(model):
     assert any("lora_" in n for n in changed) and any(n.startswith("value_head") for n in changed)
 
 
-def test_a_saved_model_directory_loads_offline_and_acts_identically(tmp_path, monkeypatch, policy):
+@pytest.mark.parametrize("model", MODELS)
+def test_a_saved_model_directory_loads_offline_and_acts_identically(tmp_path, monkeypatch, model):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    policy = _policy(model, "policy.chunk_size=1").eval()
     policy.save_pretrained(tmp_path)
-    model = {"OpenVLAPolicy": "openvla_tiny", "OpenVLAOFTPolicy": "openvla_oft_tiny",
-             "QwenVLPolicy": "qwen_vl_tiny"}[type(policy).__name__]
     loaded = _policy(model, f"policy.model_path={tmp_path}", "policy.chunk_size=1", seed=1).eval()
     loaded.value_head.load_state_dict(policy.value_head.state_dict())
     obs, noise = _obs(), torch.randn(6, ACTION_DIM, generator=torch.Generator().manual_seed(3))
