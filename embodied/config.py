@@ -40,6 +40,10 @@ class EnvConfig:
     # replace an env process that dies or hangs: its episodes end as failed (error) and the run
     # goes on; False: the run stops with a checkpoint and a message (exit code 3)
     restart_crashed: bool = False
+    # success ends a training episode (ManiSkill's default), or not: each runs the whole horizon, as
+    # evaluations do. None: true for PPO, false for GRPO, which scores an episode by its return, so a
+    # quick success must not score a shorter, smaller dense return than a failure that lasts
+    success_ends_episode: bool | None = None
 
 
 @dataclass

@@ -189,15 +189,18 @@ class Workers:
         self._weights_stale = True
         return stats, {"update_s": time.perf_counter() - t0, **{f"train_{k}": v for k, v in switch.items()}}
 
-    def reset_envs(self, iteration: int, sim_steps: int, group_size: int = 1) -> None:
+    def reset_envs(self, iteration: int, sim_steps: int, group_size: int = 1,
+                   success_ends_episode: bool = True) -> None:
         """Reset every env for training at ``iteration``, ``sim_steps`` simulator steps per env
         into the run. Env ``j`` of the whole batch starts episode slot ``j // group_size`` (the
         envs of a GRPO group share an initial state) of the training-reset stream; the episodes
-        that envs start by themselves draw from the auto-reset stream (envs/seeds.py)."""
+        that envs start by themselves draw from the auto-reset stream (envs/seeds.py).
+        ``success_ends_episode`` False: episodes end only at the time limit."""
         run, layout = RunSeeds(self.cfg.runner.seed), self.layout
         seeds = training_reset_seeds(self.cfg.env, run, iteration, layout.num_envs, group_size)
         auto = AutoResets(run.auto_resets, 0, layout.num_envs, sim_steps)
-        self.env.call("reset", per_rank_args=[(rank_seeds, auto.shifted(layout.rank_slice(r).start))
+        self.env.call("reset", per_rank_args=[(rank_seeds, auto.shifted(layout.rank_slice(r).start),
+                                               success_ends_episode)
                                               for r, rank_seeds in enumerate(layout.per_rank(seeds))])
 
     def evaluate(self, seeds: list[int], deterministic: bool, record: set[int] | frozenset = frozenset(),
@@ -285,6 +288,8 @@ class Trainer:
         self.steps_per_iteration = self.workers.layout.env_steps(self.workers.steps_per_rollout)
         # GRPO: every iteration starts fresh episodes, a group's envs from one initial state
         self.episodic = cfg.algorithm.advantage in OUTCOME_ADVANTAGES
+        ends = cfg.env.success_ends_episode
+        self.success_ends_episode = (not self.episodic) if ends is None else ends
         self.total_iterations = math.ceil(cfg.runner.total_env_steps / self.steps_per_iteration)
         self.log = RunLogger(run_dir, cfg.runner.total_env_steps, self.progress.env_steps, cfg.runner.progress)
         if self.workers.auto is not None:
@@ -363,7 +368,8 @@ class Trainer:
     def _reset_envs(self) -> None:
         """New training episodes, seeded by the iteration: a resumed run does not replay its first ones."""
         group = self.cfg.algorithm.group_size if self.episodic else 1
-        self.workers.reset_envs(self.progress.iteration, self.progress.env_steps // self.cfg.env.num_envs, group)
+        self.workers.reset_envs(self.progress.iteration, self.progress.env_steps // self.cfg.env.num_envs, group,
+                                self.success_ends_episode)
 
     def _iterate(self) -> None:
         p = self.progress

@@ -106,6 +106,24 @@ def test_per_env_seed_list(procs_env):
         procs_env.reset(seed=[1, 2])
 
 
+@pytest.mark.parametrize("num_procs", [0, 2])
+def test_a_grpo_group_starts_from_one_initial_state_and_acts_alike(env_cfg, num_procs):
+    """GRPO compares a group's episodes: envs reset with one seed are one initial state, and stay
+    alike under the same actions (the CPU simulator is deterministic per env)."""
+    env = make_vec_env(env_cfg, num_envs=4, num_procs=num_procs)
+    try:
+        obs, _ = env.reset(seed=[5, 5, 9, 9])
+        actions = torch.rand(4, env.action_dim, generator=torch.Generator().manual_seed(0)) * 2 - 1
+        actions[1], actions[3] = actions[0], actions[2]
+        for _ in range(3):
+            obs = env.step(actions).obs
+    finally:
+        env.close()
+    state = obs["state"]
+    assert torch.equal(state[0], state[1]) and torch.equal(state[2], state[3])
+    assert not torch.equal(state[0], state[2])
+
+
 def test_render_gives_an_image(procs_env):
     procs_env.reset(seed=0)
     frame = procs_env.render(3)

@@ -61,11 +61,12 @@ class EnvWorker(Worker):
             self.obs[s], _ = env.reset(seed=seeds[self.layout.stage_slice(s)], reconfigure=reconfigure,
                                        auto_resets=auto_resets.shifted(first) if auto_resets else None)
 
-    def reset(self, seeds: list[int], auto_resets: AutoResets) -> None:
+    def reset(self, seeds: list[int], auto_resets: AutoResets, success_ends_episode: bool = True) -> None:
         """Reset this rank's envs for training with ``seeds`` (one per env, from the training
         stream: see ``Workers.reset_envs``); ``auto_resets`` (this rank's slice) seeds the
-        episodes that follow."""
-        self._reset(seeds, ignore_terminations=False, auto_resets=auto_resets)
+        episodes that follow, which end at success or, if not ``success_ends_episode``, only
+        at the time limit."""
+        self._reset(seeds, ignore_terminations=not success_ends_episode, auto_resets=auto_resets)
 
     def interact(self, num_steps: int, channel: Channel, on_step: Callable | None = None) -> EnvRollout:
         """Run ``num_steps`` steps of every micro-batch against a RolloutWorker.
