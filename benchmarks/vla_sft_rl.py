@@ -34,6 +34,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from embodied.evaluate import paired_gain
+from embodied.run_logger import read_scalars as scalars
 
 ENV = ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.max_episode_steps=100"]
 # PPO for a warm-started policy: a smaller step, returns over a 25-decision episode (chunks of 4)
@@ -49,14 +50,6 @@ def run(args: list[str]) -> float:
     if proc.returncode != 0:
         sys.exit(f"`embodied {' '.join(args)}` failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return time.perf_counter() - started
-
-
-def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tb"))
-    events.Reload()
-    return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
 def plot(rl_dir: Path, rows: dict[str, dict], rl_step: int, out: Path, algorithm: str) -> Path:

@@ -40,3 +40,13 @@ class RunLogger:
     def close(self) -> None:
         self.bar.close()
         self.writer.close()
+
+
+def read_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """``(env step, value)`` of every TensorBoard scalar ``tag`` a run wrote under ``run_dir/tb``
+    (none: an empty list)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []

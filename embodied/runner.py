@@ -50,6 +50,14 @@ from scheduler.profiler import StageRunners
 from scheduler.worker import WorkerGroup, wait_ready
 
 
+def success_ends_episode(cfg: TrainConfig) -> bool:
+    """Whether success ends a training episode: ``env.success_ends_episode``, or by default yes
+    for PPO and no for GRPO (it scores an episode's return over the whole horizon)."""
+    if cfg.env.success_ends_episode is not None:
+        return cfg.env.success_ends_episode
+    return cfg.algorithm.advantage not in OUTCOME_ADVANTAGES
+
+
 class Workers:
     """The three worker groups of a run, the channel between env and rollout workers,
     weight sync and context switching."""
@@ -288,8 +296,7 @@ class Trainer:
         self.steps_per_iteration = self.workers.layout.env_steps(self.workers.steps_per_rollout)
         # GRPO: every iteration starts fresh episodes, a group's envs from one initial state
         self.episodic = cfg.algorithm.advantage in OUTCOME_ADVANTAGES
-        ends = cfg.env.success_ends_episode
-        self.success_ends_episode = (not self.episodic) if ends is None else ends
+        self.success_ends_episode = success_ends_episode(cfg)
         self.total_iterations = math.ceil(cfg.runner.total_env_steps / self.steps_per_iteration)
         self.log = RunLogger(run_dir, cfg.runner.total_env_steps, self.progress.env_steps, cfg.runner.progress)
         if self.workers.auto is not None:

@@ -56,11 +56,9 @@ def small_config(*overrides: str):
 
 def tb_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     """(step, value) of every TensorBoard scalar ``tag`` a run wrote under ``run_dir/tb``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from embodied.run_logger import read_scalars
 
-    events = EventAccumulator(str(run_dir / "tb"))
-    events.Reload()
-    return [(e.step, e.value) for e in events.Scalars(tag)]
+    return read_scalars(run_dir, tag)
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -28,7 +28,8 @@ def test_training_changes_parameters_and_checkpoint_reloads_to_identical_actions
     finally:
         trainer.close()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
-    assert set(changed) == set(before), f"unchanged parameters: {set(before) - set(changed)}"
+    trained = set(before) - {"action_stats"}  # a token policy's action statistics are SFT's to set
+    assert set(changed) == trained, f"unchanged parameters: {trained - set(changed)}"
     assert summary["episodes"] >= 4 and 0.0 <= summary["success_once"] <= 1.0
     assert summary["training"]["env_steps"] == 120
 
@@ -46,6 +47,38 @@ def test_training_changes_parameters_and_checkpoint_reloads_to_identical_actions
         b = reference.act(obs, deterministic=deterministic)
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_grpo_trains_a_token_policy_on_whole_horizon_episodes_in_groups(ray_cluster, tmp_path):
+    """GRPO from scratch on the VLAs' token path (policy=mlp_tokens): every iteration starts one
+    episode per env, in groups, each run to the horizon, and trains on all of their steps."""
+    cfg = small_config(f"runner.run_dir={tmp_path}", "algorithm=grpo", "policy=mlp_tokens", "algorithm.group_size=2",
+                       "env.max_episode_steps=8", "algorithm.rollout_steps=8", "runner.total_env_steps=64",
+                       "algorithm.filter_uniform_groups=false")
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        before = trainer.workers.actor.call("get_weights")[0]
+        trainer.train()
+        after = trainer.workers.actor.call("get_weights")[0]
+    finally:
+        trainer.close()
+    actor = [k for k in before if k.startswith("actor.")]
+    assert all(not torch.equal(before[k], after[k]) for k in actor)
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("value_head."))  # vf_coef 0
+    assert [v for _, v in tb_scalars(tmp_path, "env/episodes")] == [4.0, 4.0]
+    assert [v for _, v in tb_scalars(tmp_path, "env/episode_length")] == [8.0, 8.0]
+    assert [v for _, v in tb_scalars(tmp_path, "train/samples")] == [32.0, 32.0]
+
+
+@pytest.mark.parametrize("overrides, ends", [
+    ([], True), (["algorithm=grpo"], False),
+    (["algorithm=grpo", "env.success_ends_episode=true"], True), (["env.success_ends_episode=false"], False),
+])
+def test_success_ends_training_episodes_for_ppo_and_not_for_grpo_unless_set(overrides, ends):
+    from embodied.config import compose
+    from embodied.runner import success_ends_episode
+
+    assert success_ends_episode(compose(overrides)) is ends
 
 
 def test_runner_warms_up_the_critic_then_trains_near_the_kl_reference(ray_cluster, tmp_path):

@@ -20,11 +20,13 @@ ACTION_DIM = 4
 
 MODELS = ["openvla_tiny", "openvla_oft_tiny", "qwen_vl_tiny"]
 # every policy on the VLAs' token-action path: the VLAs and the MLP trunk (policies/mlp_tokens.py)
-TOKEN_POLICIES = [*MODELS, "mlp_tokens"]
+TOKEN_POLICIES = [*MODELS, "mlp_tokens", "mlp_tokens policy.token_head=gaussian"]
 
 
 def _policy(model: str, *overrides: str, seed: int = 0):
-    cfg = compose([f"policy={model}", "policy.instruction=push the cube", *overrides]).policy
+    """``model``: a policy config's name, optionally followed by overrides of its own."""
+    model, *own = model.split()
+    cfg = compose([f"policy={model}", "policy.instruction=push the cube", *own, *overrides]).policy
     torch.manual_seed(seed)
     return make_policy(cfg, SPEC, ACTION_DIM)
 
