@@ -55,8 +55,9 @@ class PolicyConfig:
     cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 64])  # cnn only
     feature_dim: int = 256  # cnn only: image embedding size
     # mlp_tokens only: how the trunk gives the 256 bin logits of each action token (policies/mlp_tokens.py):
-    # "logits" (free, as a VLA's LM head) or "gaussian" (a Gaussian's log-density at the bins)
-    token_head: str = "logits"
+    # "gaussian" (a Gaussian's log-density at the bins: learns from scratch as policy=mlp does) or
+    # "logits" (free, as a VLA's LM head: from scratch, far slower; docs/results/rl_from_scratch)
+    token_head: str = "gaussian"
     # VLA policies (policies/vla/)
     model_path: str | None = None  # a save_pretrained directory (model + tokenizer); None: a tiny model from scratch
     dtype: str = "float32"  # VLAs: the weights' dtype once loaded: float32 | bfloat16 (checkpoints ship bf16)

@@ -53,6 +53,21 @@ def test_cnn_rejects_state_only_envs():
         make_policy(cfg.policy, STATE_SPEC, 8)
 
 
+def test_gaussian_token_head_acts_like_a_gaussian_policy_on_the_bins():
+    """policy.token_head=gaussian: the greedy action is the bin nearest the mean, and sampled bins
+    spread as the Gaussian does (std exp(log_std_init) = 0.61, before the [-1, 1] bins clip it)."""
+    policy = make_policy(compose(["policy=mlp_tokens"]).policy, STATE_SPEC, 8)
+    with torch.no_grad():
+        policy.actor.net[-1].bias.copy_(torch.linspace(-0.5, 0.5, 8))  # means away from 0, inside the box
+    obs = {"state": torch.randn(4096, 35, generator=torch.Generator().manual_seed(0))}
+    mean = policy.actor.net(obs["state"]).detach()
+    greedy = policy.to_env(policy.act(obs, deterministic=True)[0])
+    assert (greedy - mean).abs().max() <= policy.actions.bin_width / 2 + 1e-4  # float32 near-ties
+    sampled = policy.to_env(policy.act(obs, noise=torch.randn(4096, 8, generator=torch.Generator().manual_seed(1)))[0])
+    torch.testing.assert_close(sampled.mean(0), mean.mean(0), atol=0.04, rtol=0)
+    assert 0.45 < float((sampled - mean).std()) < 0.62  # the Gaussian's 0.61, less what clipping to the box cuts
+
+
 def test_mlp_tokens_rejects_image_only_envs():
     cfg = compose(["policy=mlp_tokens"])
     with pytest.raises(UserError, match="obs_mode: state"):

@@ -20,7 +20,7 @@ ACTION_DIM = 4
 
 MODELS = ["openvla_tiny", "openvla_oft_tiny", "qwen_vl_tiny"]
 # every policy on the VLAs' token-action path: the VLAs and the MLP trunk (policies/mlp_tokens.py)
-TOKEN_POLICIES = [*MODELS, "mlp_tokens", "mlp_tokens policy.token_head=gaussian"]
+TOKEN_POLICIES = [*MODELS, "mlp_tokens", "mlp_tokens policy.token_head=logits"]
 
 
 def _policy(model: str, *overrides: str, seed: int = 0):
