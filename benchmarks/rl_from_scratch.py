@@ -89,7 +89,8 @@ def plot(out: Path, names: list[str]) -> Path:
         ax.set_title(f"{task}: validation success_once (100 held-out episodes, greedy)", fontsize=9)
         ax.set_xlabel("training minutes (2-core CPU)")
         ax.set_ylim(0, 1.02)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     axes[0].set_ylabel("success_once")
     fig.tight_layout()
     path = out / "learning_curves.png"
