@@ -66,15 +66,13 @@ class MLPTokenPolicy(ParallelTokenPolicy):
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
-        if not vector_dim(obs_spec):
+        state_dim = vector_dim(obs_spec)
+        if not state_dim:
             raise UserError(f"policy=mlp_tokens needs flat state observations; this env gives {sorted(obs_spec)}. Use "
                             "an env with obs_mode: state (e.g. env=maniskill_pushcube), or a VLA policy for images.")
         actions = ActionTokenizer(ActionStats.identity(action_dim), n_bins=ACTION_BINS, mode="added", first_id=0)
         self._setup_actions(cfg, action_dim, actions)
-        state_dim = vector_dim(obs_spec)
-        # where each bin decodes to, normalised (the top bin, reached only by exactly 1.0, decodes as the one below)
-        locations = actions.centers[torch.arange(ACTION_BINS).clamp(max=ACTION_BINS - 2)]
-        self.actor = TOKEN_HEADS.get(cfg.token_head)(cfg, state_dim, self.noise_dim, locations)
+        self.actor = TOKEN_HEADS.get(cfg.token_head)(cfg, state_dim, self.noise_dim, actions.bin_values())
         self.value_head = mlp([state_dim, *cfg.hidden_sizes, 1], cfg.activation, out_gain=1.0)
 
     @staticmethod

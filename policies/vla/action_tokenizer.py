@@ -111,7 +111,13 @@ class ActionTokenizer:
         bins = self.bins_of(token_ids)
         if bool((bins < 0).any()):
             raise ValueError("decode() got ids that are not action tokens; sample with mask_logits()")
-        return self.unnormalize(self.centers[bins.clamp(max=self.n_bins - 2)])
+        return self.unnormalize(self.bin_values(bins))
+
+    def bin_values(self, bins: torch.Tensor | None = None) -> torch.Tensor:
+        """The normalised action each bin decodes to, ``[...]`` for ``bins [...]`` (all ``n_bins``
+        if None): its interval's centre; the top bin, reached only by exactly 1.0, the one below's."""
+        bins = torch.arange(self.n_bins) if bins is None else bins
+        return self.centers[bins.clamp(max=self.n_bins - 2)]
 
     def bins_of(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids -> bin indices (-1 where an id is not an action token)."""
