@@ -32,6 +32,7 @@ from scheduler.planner import plan
 
 EXIT_USER_ERROR = 2
 EXIT_ENV_CRASH = 3
+EXIT_WORKER_FAULT = 3  # a worker failed more often than runner.max_worker_restarts allows
 
 
 def _quiet() -> None:
@@ -166,12 +167,21 @@ def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[i
     """Evaluate ``actor_state`` (None: the policy as built) on ``seeds`` with fresh workers.
     Returns ``(rows, videos, simulator steps run)`` (padding episodes and whole chunks included)."""
     from embodied.runner import start_workers
+    from scheduler.faults import WorkerFailure
 
     workers = start_workers(cfg)
     try:
-        if actor_state is not None:
-            workers.load_actor_state(actor_state, weights_only=True)
-        rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
+        for attempt in range(cfg.runner.max_worker_restarts + 1):
+            try:  # an evaluation depends only on its seeds and the weights: one a worker fault broke is redone
+                if actor_state is not None:
+                    workers.load_actor_state(actor_state, weights_only=True)
+                rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
+                break
+            except WorkerFailure as failure:
+                if attempt == cfg.runner.max_worker_restarts:
+                    raise
+                print(f"note: {failure}; replacing the workers and evaluating again", file=sys.stderr)
+                workers.recover(failure)
         layout = workers.layout
         return rows, videos, layout.env_steps(workers.max_episode_steps) * len(layout.evaluation_rounds(len(seeds)))
     finally:
@@ -366,7 +376,13 @@ def cmd_plan(overrides: list[str], devices: int | None, profile_path: str | None
 def _explain(err: BaseException) -> tuple[str, int] | None:
     """A user-facing (message, exit code) for errors we know how to explain."""
     from envs.subproc import EnvCrashedError
+    from scheduler.faults import RestartBudgetExceeded, WorkerFailure
 
+    if isinstance(err, RestartBudgetExceeded):
+        return err.message(), EXIT_WORKER_FAULT
+    if isinstance(err, WorkerFailure):  # outside a training run's loop, or beyond an evaluation's retries
+        return (f"{err}. Check that worker's log lines above (Ray prints them) and the machine's memory; a training "
+                "run continues from its last checkpoint with `embodied train resume=<run_dir>`.", EXIT_WORKER_FAULT)
     try:
         from ray.exceptions import ActorDiedError, RayTaskError
 

@@ -215,6 +215,18 @@ class RunnerConfig:
     seed: int = 1  # every random stream of the run derives from it and its purpose (envs/seeds.py)
     run_dir: str | None = None  # None: runs/<task>-<policy>-<timestamp>
     progress: bool = True  # progress bar on stderr
+    # a remote call the runner waits on (a rollout, an update, an evaluation round, ...) fails as hung after
+    # max(call_deadline_floor_s, call_deadline_factor x its slowest recent duration), or after call_deadline_s
+    # if set; a call not yet measured gets first_call_deadline_s (it pays for imports and renderer set-up)
+    call_deadline_floor_s: float = 60.0
+    call_deadline_factor: float = 5.0
+    call_deadline_s: float | None = None
+    first_call_deadline_s: float = 900.0
+    # a worker that dies or hangs is replaced (an actor rank: its group restarts from the last checkpoint)
+    # and the run goes on; more than max_worker_restarts restarts of one group within restart_window_minutes
+    # stop the run with a checkpoint written then and exit code 3
+    max_worker_restarts: int = 5
+    restart_window_minutes: float = 60.0
 
 
 @dataclass

@@ -7,11 +7,14 @@ the actor -> PPO update -> logging, checkpoint, evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -22,16 +25,19 @@ from embodied.checkpoint import (
     Progress,
     checkpoint_state,
     load_checkpoint,
+    resolve_checkpoint,
     save_best_checkpoint,
     save_checkpoint,
 )
 from embodied.checks import check_run_config
 from embodied.config import TrainConfig, to_yaml
 from embodied.evaluate import recording_episodes, summarize
+from embodied.recovery import FaultLog, FaultRecord
 from embodied.run_logger import RunLogger
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
 from embodied.workers.rollout_worker import RolloutWorker
+from envs.common import UserError
 from envs.messages import EnvSpec
 from envs.registry import (
     seed_scheme,
@@ -39,11 +45,11 @@ from envs.registry import (
     validation_seeds,
 )
 from envs.seeds import AutoResets, RunSeeds
-from envs.subproc import EnvCrashedError
 from scheduler.auto import AutoPlan, auto_placement
 from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.context_switch import ContextSwitcher
+from scheduler.faults import Deadlines, RestartBudgetExceeded, Watchdog, WorkerFailure, WorkerFault
 from scheduler.layout import BatchLayout
 from scheduler.placement import ClusterDevices, make_plan
 from scheduler.profiler import StageRunners
@@ -60,7 +66,8 @@ def success_ends_episode(cfg: TrainConfig) -> bool:
 
 class Workers:
     """The three worker groups of a run, the channel between env and rollout workers,
-    weight sync and context switching."""
+    weight sync and context switching. Every call they are waited on has a deadline
+    (:class:`~scheduler.faults.Watchdog`); :meth:`recover` replaces workers that failed."""
 
     def __init__(self, cfg: TrainConfig, devices: ClusterDevices, auto: AutoPlan | None = None):
         """Start the groups of a checked config on a running cluster's ``devices`` (see
@@ -73,6 +80,10 @@ class Workers:
         self.layout = BatchLayout(cfg.env.num_envs, cfg.placement.env_workers, plan.pipeline_stages,
                                   cfg.policy.chunk_size)
         self.env = WorkerGroup(EnvWorker, "env", plan, threads, env_cfg=cfg.env, layout=self.layout)
+        runner = cfg.runner
+        self.watchdog = Watchdog({"env": self.env}, Deadlines(runner.call_deadline_floor_s, runner.call_deadline_factor,
+                                                              runner.first_call_deadline_s, runner.call_deadline_s))
+        self.env.get = self.watchdog.get
         spec: EnvSpec = self.env.call("spec")[0]
         self.obs_spec, self.action_dim, self.max_episode_steps = spec.obs_spec, spec.action_dim, spec.max_episode_steps
         self.steps_per_rollout = cfg.algorithm.rollout_steps or self.max_episode_steps
@@ -85,10 +96,13 @@ class Workers:
                                                   for t in plan.update_threads(cfg.placement.actor_threads)],
                                  **common)
         wait_ready(self.rollout, self.actor)  # both groups start side by side: seconds of imports each
+        self.groups = {"env": self.env, "rollout": self.rollout, "actor": self.actor}
+        self.watchdog.groups = self.groups
+        self.rollout.get = self.actor.get = self.watchdog.get
         self.data_parallel = self._join_actor_ranks()
         self.actor_shares = self.layout.actor_shares(len(self.rollout), len(self.actor))
         self.channel = Channel("env<->rollout")
-        self.switcher = ContextSwitcher(plan, {"env": self.env, "rollout": self.rollout, "actor": self.actor})
+        self.switcher = ContextSwitcher(plan, self.groups)
         self._setup_weight_sync()
         self._weights_ref = None
         self._weights_stale = True  # the actor has weights the rollout workers have not got
@@ -105,8 +119,6 @@ class Workers:
 
     # -- weight sync and turns ------------------------------------------------------------
     def _setup_weight_sync(self) -> None:
-        import ray
-
         if self.plan.weight_sync == "shared_memory":
             layout = self.actor.call("share_weights")[0]
             self.rollout.call("attach_shared_weights", layout)
@@ -114,21 +126,20 @@ class Workers:
         elif self.plan.weight_sync == "broadcast":
             address = self.actor.call("group_address")[0]
             world = 1 + len(self.rollout)
-            ray.get(self.actor.call_async("join_broadcast_group", address, world)
-                    + self.rollout.call_async("join_broadcast_group", address, world))
+            self.watchdog.get(self.actor.call_async("join_broadcast_group", address, world)
+                              + self.rollout.call_async("join_broadcast_group", address, world), "weight_sync")
 
     def _publish_weights(self) -> None:
         """Actor side of a weight sync: to the shared buffer, into the object store, or the
         whole broadcast (actor and rollout workers are both resident: see make_plan)."""
-        import ray
-
         if self.plan.weight_sync == "shared_memory":
             self.actor.call("publish_weights")
         elif self.plan.weight_sync == "broadcast":
-            ray.get(self.actor.call_async("broadcast_weights") + self.rollout.call_async("receive_broadcast"))
+            self.watchdog.get(self.actor.call_async("broadcast_weights") + self.rollout.call_async("receive_broadcast"),
+                              "weight_sync")
         else:
             refs = self.actor.call_async("get_weights")  # every rank: FSDP gathers the shards
-            ray.wait(refs, num_returns=len(refs))  # read before the actor may be offloaded
+            self.watchdog.get(refs, "actor.get_weights", fetch=False)  # read before the actor may be offloaded
             self._weights_ref = refs[0]
 
     def _receive_weights(self) -> None:
@@ -163,15 +174,15 @@ class Workers:
         return {"weight_sync_s": (t1 - t0) + (time.perf_counter() - t2), **switch}
 
     # -- one iteration -------------------------------------------------------------------
-    def rollout_steps(self, num_steps: int) -> tuple[list[dict], list, dict]:
-        """Collect ``num_steps`` per env. Returns (finished episodes, trajectory refs, stage times)."""
-        import ray
-
+    def rollout_steps(self, num_steps: int, iteration: int = 0) -> tuple[list[dict], list, dict]:
+        """Collect ``num_steps`` per env (``iteration``: whose rollout noise to draw, so a redone
+        iteration samples as the first try did). Returns (finished episodes, trajectory refs, stage times)."""
         t0 = time.perf_counter()
         env_refs = self.env.call_async("interact", num_steps, self.channel)
-        trajectory_refs = self.rollout.call_async("collect", num_steps, self.channel)
-        env_out = ray.get(env_refs)
-        ray.wait(trajectory_refs, num_returns=len(trajectory_refs))
+        trajectory_refs = self.rollout.call_async("collect", num_steps, self.channel, iteration)
+        # the trajectories stay in the object store (they go to the actor, never via the driver)
+        self.watchdog.get(env_refs + trajectory_refs, "rollout", fetch=False)
+        env_out = self.watchdog.get(env_refs, "rollout")
         rollout_times = self.rollout.call("last_times")
         times = {
             "rollout_s": time.perf_counter() - t0,
@@ -186,14 +197,12 @@ class Workers:
     def update(self, trajectory_refs: list, critic_only: bool = False) -> tuple[dict, dict]:
         """Give the devices to the actor and run one PPO update (``critic_only``: critic warm-up).
         Returns (stats, timings)."""
-        import ray
-
         switch = self.switcher.turn("train")
         t0 = time.perf_counter()
         # trajectories go rollout -> actor through the object store, never via the driver; each
         # actor rank reads the rollout workers' trajectories that hold its envs
         shares = [(envs, *(trajectory_refs[k] for k in ranks)) for ranks, envs in self.actor_shares]
-        stats = ray.get(self.actor.call_async("update", per_rank_args=shares, critic_only=critic_only))[0]
+        stats = self.actor.call("update", per_rank_args=shares, critic_only=critic_only)[0]
         self._weights_stale = True
         return stats, {"update_s": time.perf_counter() - t0, **{f"train_{k}": v for k, v in switch.items()}}
 
@@ -222,8 +231,6 @@ class Workers:
         and the frames of the episodes whose index is in ``record``. ``progress``: a bar
         over episodes on stderr.
         """
-        import ray
-
         self.prepare_generation()  # evaluate the actor's current policy, not the last one rolled out
         layout = self.layout
         rows: list[dict] = []
@@ -237,19 +244,68 @@ class Workers:
             env_refs = self.env.call_async("evaluate", per_rank_args=args)
             by_rank = dict(enumerate(layout.per_rank(batch)))
             serve = self.rollout.call_async("serve_eval", self.max_episode_steps, self.channel, deterministic, by_rank)
-            for part in ray.get(env_refs):
+            for part in self.watchdog.get(env_refs + serve, "eval_round")[:len(env_refs)]:
                 rows += part.rows
                 videos.update(part.videos)
                 bar.update(len(part.rows))
-            ray.get(serve)
         bar.close()
         return sorted(rows, key=lambda r: r["episode"]), videos
 
+    # -- faults ------------------------------------------------------------------------
+    def recover(self, failure: WorkerFailure, settle_s: float = 30.0) -> list[WorkerFault]:
+        """Replace the workers ``failure`` names and end the call they broke: the channel is
+        renewed (survivors blocked on it raise and go idle; one still busy after ``settle_s`` is
+        hung too), env and rollout ranks are replaced one by one, the actor group as a whole
+        (its ranks share a process group), and weights are re-shared. Returns every fault
+        handled (``failure.faults`` plus survivors found stuck). The caller restores the actor's
+        state (a new actor group holds its initial weights) and resets the envs."""
+        faults = list(failure.faults)
+        for fault in faults:
+            self.groups[fault.group].kill(fault.rank)  # a hung one stops holding its resources now
+        self.channel.close()
+        self.channel = Channel("env<->rollout")
+        known = {(f.group, f.rank) for f in faults}
+        for group, rank in self.watchdog.settle(settle_s):
+            if (group, rank) not in known:
+                process = self.groups[group].processes[rank]
+                faults.append(WorkerFault(group, rank, "hung", failure.call, f"still busy {settle_s:.0f} s after "
+                                          "the call was aborted", process.pid if process else None))
+                self.groups[group].kill(rank)
+        lost = {f.group for f in faults}
+        for fault in faults:
+            if fault.group != "actor":
+                self.groups[fault.group].replace(fault.rank)
+        if "rollout" in lost and self.plan.weight_sync == "broadcast":
+            self._restart_broadcast_peers(actor_lost="actor" in lost)
+        elif "actor" in lost:
+            self.actor.restart()
+            self.data_parallel = self._join_actor_ranks()
+        if lost & {"rollout", "actor"}:
+            self._setup_weight_sync()
+            self._weights_stale = True
+        self.switcher.workers_replaced()
+        return faults
+
+    def _restart_broadcast_peers(self, actor_lost: bool) -> None:
+        """A broadcast group cannot take a new member: restart every rollout worker and the
+        actor, which keeps its state when it is alive."""
+        state = None if actor_lost else self.actor_state()
+        self.rollout.restart()
+        self.actor.restart()
+        if state is not None:
+            self.load_actor_state(state)
+
+    def process_ids(self, group: str) -> list[int]:
+        """The pids of ``group``'s ranks (``embodied chaos`` signals them)."""
+        return [p.pid for p in self.groups[group].processes if p is not None]
+
     def shutdown(self) -> None:
-        try:
-            self.env.call("close")  # stops sim subprocesses cleanly
+        import ray
+
+        try:  # stops sim subprocesses cleanly; a crashed or hung env worker has nothing left to close
+            ray.get(self.env.call_async("close"), timeout=30)
         except Exception:
-            pass  # a crashed env worker has nothing left to close
+            pass
         for group in (self.env, self.rollout, self.actor):
             group.shutdown()
 
@@ -277,13 +333,19 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 class Trainer:
-    """Runs ``cfg`` in ``run_dir``; continues from ``resume_from`` (a checkpoint dict) if given."""
+    """Runs ``cfg`` in ``run_dir``; continues from ``resume_from`` (a checkpoint dict) if given.
+
+    A worker that dies or hangs does not end the run: the piece of work it broke (an iteration,
+    a validation, a checkpoint, the final evaluation) is redone after :meth:`_recover`.
+    """
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, resume_from: dict | None = None,
                  warm_start: dict | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.progress = Progress(**resume_from["progress"]) if resume_from else Progress()
+        self.started_from = dataclasses.replace(self.progress)  # what a lost actor restarts from without a checkpoint
+        self.warm_start = warm_start
         self.workers = start_workers(cfg)  # checks names and placement before anything is written
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -306,6 +368,12 @@ class Trainer:
         self.log.note("placement", self.workers.plan.describe() + ranks)
         self.iteration_seconds: list[float] = []
         self.final_videos: dict[int, dict] = {}  # what final_eval filmed: episode index -> frames
+        self.eval_history: list[float] = []  # periodic validations' success_once
+        # work due before the next iteration, redone if a fault breaks it: "reset" (training envs),
+        # "eval" (a periodic validation), "checkpoint"
+        self.todo: list[str] = [] if self.episodic else ["reset"]  # episodic iterations reset the envs themselves
+        self.faults = FaultLog(cfg.runner)
+        self.recovering = False  # True while workers are being replaced (embodied chaos waits for it)
 
     # -- checkpoints ------------------------------------------------------------
     def _state(self) -> dict:
@@ -338,10 +406,14 @@ class Trainer:
         limit = self.cfg.runner.max_minutes
         return limit is not None and self.progress.train_seconds >= limit * 60
 
-    def _good_enough(self, eval_history: list[float]) -> bool:
+    def _good_enough(self) -> bool:
         target, patience = self.cfg.runner.stop_at_success, self.cfg.runner.stop_patience
-        recent = eval_history[-patience:]
+        recent = self.eval_history[-patience:]
         return target is not None and len(recent) == patience and min(recent) >= target
+
+    def _training_done(self) -> bool:
+        return (not self.todo and (self.progress.iteration >= self.total_iterations or self._time_is_up()
+                                   or self._good_enough()))
 
     def _set_lr(self) -> None:
         if self.cfg.algorithm.anneal_lr:
@@ -350,27 +422,116 @@ class Trainer:
 
     def train(self) -> dict:
         """Train to ``runner.total_env_steps`` (or ``runner.max_minutes``), then evaluate."""
-        cfg, p = self.cfg, self.progress
-        if not self.episodic:  # episodic iterations reset the envs themselves
-            self._reset_envs()
-        try:
-            eval_history: list[float] = []
-            while (p.iteration < self.total_iterations and not self._time_is_up()
-                   and not self._good_enough(eval_history)):
-                start = time.perf_counter()
-                self._iterate()
-                if cfg.runner.eval_every and p.iteration % cfg.runner.eval_every == 0:
-                    eval_history.append(self._periodic_eval(elapsed=time.perf_counter() - start))
-                    self._keep_if_best(eval_history[-1])
-                if cfg.runner.checkpoint_every and p.iteration % cfg.runner.checkpoint_every == 0:
-                    self.save()
-                p.train_seconds += time.perf_counter() - start
-        except EnvCrashedError:
-            self.save()  # the actor's state is intact: keep the progress made so far
-            raise
-        self.save()
+        saved = False
+        while not saved:  # a lost actor restores an older checkpoint: train on from there
+            while not self._training_done():
+                self._advance_started = start = time.perf_counter()
+                self._guarded(self._advance)
+                self.progress.train_seconds += time.perf_counter() - start
+            saved, _ = self._guarded(self.save)
         self.log.close_progress()
-        return self.final_eval()
+        done, summary = False, None
+        while not done:
+            done, summary = self._guarded(self.final_eval)
+        return summary
+
+    def _advance(self) -> None:
+        """One iteration, then the validation and checkpoint it makes due; work a fault broke
+        is still in ``todo`` and runs first."""
+        cfg, p = self.cfg, self.progress
+        if not self.todo:
+            self._iterate()
+            every = {"eval": cfg.runner.eval_every, "checkpoint": cfg.runner.checkpoint_every}
+            self.todo = [work for work, n in every.items() if n and p.iteration % n == 0]
+        while self.todo:
+            WORK[self.todo[0]](self)
+            self.todo.pop(0)
+
+    def _validate(self) -> None:
+        self.eval_history.append(self._periodic_eval(elapsed=time.perf_counter() - self._advance_started))
+        self._keep_if_best(self.eval_history[-1])
+
+    # -- faults ----------------------------------------------------------------------
+    def _guarded(self, work: Callable[[], Any]) -> tuple[bool, Any]:
+        """``(True, work())``, or ``(False, None)`` when a worker failed during it and was
+        replaced (every failure met while recovering is recovered from too, within the budget)."""
+        try:
+            return True, work()
+        except WorkerFailure as failure:
+            pending: WorkerFailure | None = failure
+            while pending is not None:
+                pending = self._recover(pending)
+            return False, None
+
+    def _recover(self, failure: WorkerFailure) -> WorkerFailure | None:
+        """Spend a restart (beyond the budget: stop, see :meth:`_stop`), replace the failed
+        workers, restore a lost actor from the last checkpoint, and log each fault. Returns a
+        failure met on the way, None when the run can go on."""
+        started, p = time.perf_counter(), self.progress
+        self.recovering = True
+        try:
+            try:
+                self.faults.spend(failure)
+            except RestartBudgetExceeded as exceeded:
+                self._stop(exceeded, failure)
+            self.log.note("fault", f"{failure}; replacing the workers")
+            faults = self.workers.recover(failure)
+            groups = {f.group for f in faults}
+            iteration = p.iteration
+            lost, action = self._restore_actor() if "actor" in groups else (0, "replaced")
+            if not self.episodic and "reset" not in self.todo:
+                self.todo.insert(0, "reset")  # the aborted call left episodes half-run
+        except WorkerFailure as again:
+            return again
+        finally:
+            self.recovering = False
+        seconds = time.perf_counter() - started
+        envs_each = self.workers.layout.envs_per_worker
+        actions = {"actor": action, "channel": "channel renewed"}
+        for fault in faults or [WorkerFault("channel", 0, "stalled", failure.call, failure.detail)]:
+            self.faults.add(FaultRecord(
+                minute=p.train_seconds / 60, iteration=iteration, call=failure.call, group=fault.group,
+                rank=fault.rank, kind=fault.kind, pid=fault.pid, detail=fault.detail,
+                action=actions.get(fault.group, "replaced"), iterations_lost=lost if fault.group == "actor" else 0,
+                episodes_failed=envs_each if fault.group == "env" and failure.call == "rollout" else 0,
+                recovery_s=seconds))
+            if fault.group == "actor":
+                lost = 0  # the group's loss, counted once
+        self.log.scalars(self.faults.scalars(), p.env_steps)
+        self.log.note("fault", f"recovered in {seconds:.1f} s ({action}); {len(self.faults.records)} fault(s) so far")
+        return None
+
+    def _restore_actor(self) -> tuple[int, str]:
+        """Load the newest checkpoint into the new actor group (none yet: the run's starting
+        weights) and roll progress back to it. Returns (iterations lost, what was done)."""
+        p = self.progress
+        try:
+            path = resolve_checkpoint(self.run_dir)
+            state, restored = load_checkpoint(path), f"actor group restored from {path.name}"
+        except UserError:
+            path, state, restored = None, self.warm_start, "actor group restarted from the starting weights"
+        if path is not None:
+            self.workers.load_actor_state(state["actor"])
+            back_to = Progress(**state["progress"])
+        else:
+            if state is not None:
+                self.workers.load_actor_state(state["actor"], weights_only=True)
+            self.workers.actor.call("freeze_reference")
+            back_to = self.started_from
+        lost = p.iteration - back_to.iteration
+        p.iteration, p.env_steps = back_to.iteration, back_to.env_steps
+        self.todo = []  # the validation or checkpoint of a rolled-back iteration comes again with it
+        return lost, restored
+
+    def _stop(self, exceeded: RestartBudgetExceeded, failure: WorkerFailure) -> None:
+        """Over the restart budget: write a checkpoint now if the actor is alive, then raise."""
+        exceeded.run_dir = str(self.run_dir)
+        if not any(f.group == "actor" for f in failure.faults):
+            try:
+                exceeded.checkpoint = str(self.save())
+            except WorkerFailure:
+                pass  # the actor went too: the last periodic checkpoint is what there is
+        raise exceeded
 
     def _reset_envs(self) -> None:
         """New training episodes, seeded by the iteration: a resumed run does not replay its first ones."""
@@ -385,7 +546,7 @@ class Trainer:
         if self.episodic:
             self._reset_envs()
         sync = self.workers.prepare_generation()
-        episodes, trajectories, times = self.workers.rollout_steps(self.workers.steps_per_rollout)
+        episodes, trajectories, times = self.workers.rollout_steps(self.workers.steps_per_rollout, p.iteration)
         warming_up = p.iteration < self.cfg.algorithm.critic_warmup_iterations
         stats, update_times = self.workers.update(trajectories, critic_only=warming_up)
         t2 = time.perf_counter()
@@ -439,6 +600,7 @@ class Trainer:
         rows, self.final_videos = self.workers.evaluate(seeds, cfg.eval.deterministic, record)
         summary = summarize(rows, cfg.env, cfg.eval.tasks)
         summary["evaluated"] = weights
+        summary["faults"] = self.faults.summary()
         summary["training"] = {
             "iterations": self.progress.iteration,
             "env_steps": self.progress.env_steps,
@@ -470,4 +632,10 @@ class Trainer:
     def close(self) -> None:
         self.log.close()
         self.workers.shutdown()
+
+
+# what Trainer.todo's entries do
+WORK: dict[str, Callable[[Trainer], Any]] = {
+    "reset": Trainer._reset_envs, "eval": Trainer._validate, "checkpoint": Trainer.save,
+}
 

@@ -103,6 +103,13 @@ class Channel:
 
         return ray.get(self._store.qsize.remote(key))
 
+    def close(self) -> None:
+        """End the channel: a worker blocked in ``get`` raises (``ActorDiedError``), which frees
+        the survivors of a call aborted because a peer failed."""
+        import ray
+
+        ray.kill(self._store)
+
 
 class Pending:
     """An item asked for with :meth:`Channel.get_async`."""

@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,8 +19,21 @@ import torch
 from scheduler.placement import Plan
 
 
+@dataclass(frozen=True)
+class WorkerProcess:
+    """Where a worker runs: its process id and Ray node (what a fault report names, and what
+    ``embodied chaos`` signals)."""
+
+    pid: int
+    node_id: str
+
+
 class Worker:
     """Base class of every worker: knows its rank, group size and device."""
+
+    # True while the worker waits for a peer (a channel item): a call that outlives its deadline
+    # is then someone else's hang, not this worker's (scheduler/faults.py)
+    waiting_on_peers = False
 
     def __init__(self, rank: int, world_size: int, device_kind: str = "cpu", torch_threads: int = 1,
                  local_device: int = 0, pin_cpu: bool = False):
@@ -37,6 +52,13 @@ class Worker:
 
     def ping(self) -> int:
         return self.rank
+
+    def process(self) -> WorkerProcess:
+        return WorkerProcess(os.getpid(), self.node_id())
+
+    def activity(self) -> bool:
+        """Whether this worker is waiting on a peer right now (see ``waiting_on_peers``)."""
+        return self.waiting_on_peers
 
     def offload(self) -> dict:
         return self.device_state.offload().as_dict() if self.device_state is not None else {"bytes_moved": 0}
@@ -103,15 +125,30 @@ def _set_affinity(thread: int, cores: set[int]) -> None:
 
 
 class WorkerGroup:
-    """The ranks of group ``name`` of ``plan``: Ray actors of ``cls``, each pinned to its device's node."""
+    """The ranks of group ``name`` of ``plan``: Ray actors of ``cls``, each pinned to its device's node.
+
+    A rank that died or hung is replaced by :meth:`replace` (same rank, same arguments);
+    :meth:`restart` replaces them all. ``get`` is how :meth:`call` waits for its results: plain
+    ``ray.get``, or the runner's watchdog, which gives every call a deadline (scheduler/faults.py).
+    """
 
     def __init__(self, cls: type, name: str, plan: Plan, torch_threads: int = 1,
                  per_rank_kwargs: list[dict] | None = None, wait: bool = True, **kwargs: Any):
+        self.name = name
+        self._cls, self._plan, self._threads = cls, plan, torch_threads
+        self._per_rank_kwargs, self._kwargs = per_rank_kwargs, kwargs
+        self.get: Callable[[list, str], list] = _ray_get
+        self.processes: list[WorkerProcess | None] = [None] * plan.groups[name].num_workers
+        self.workers = [self._start(rank) for rank in range(len(self.processes))]
+        if wait:
+            wait_ready(self)
+
+    def _start(self, rank: int):
+        """Start rank ``rank``'s actor (not waiting for its constructor)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.name = name
-        placement = plan.groups[name]
+        plan, placement = self._plan, self._plan.groups[self.name]
         share = placement.share(plan)
         if plan.device_kind == "gpu":
             # Ray's fractional GPUs only account; the worker picks its GPU itself (cuda:<local index>)
@@ -119,22 +156,15 @@ class WorkerGroup:
             resources = {"num_gpus": share, "runtime_env": keep_visible}
         else:
             resources = {"num_cpus": share}
-        remote_cls = ray.remote(cls)
-        n = placement.num_workers
-        self.workers = []
-        for rank in range(n):
-            device = plan.device(name, rank)
-            extra = per_rank_kwargs[rank] if per_rank_kwargs else {}
-            actor = remote_cls.options(
-                **resources, max_concurrency=4,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(device.node_id, soft=False),
-            ).remote(
-                rank=rank, world_size=n, device_kind=plan.device_kind, torch_threads=torch_threads,
-                local_device=device.local_index, pin_cpu=plan.pin_cpus, **kwargs, **extra,
-            )
-            self.workers.append(actor)
-        if wait:
-            wait_ready(self)
+        device = plan.device(self.name, rank)
+        extra = self._per_rank_kwargs[rank] if self._per_rank_kwargs else {}
+        return ray.remote(self._cls).options(
+            **resources, max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(device.node_id, soft=False),
+        ).remote(
+            rank=rank, world_size=len(self.processes), device_kind=plan.device_kind, torch_threads=self._threads,
+            local_device=device.local_index, pin_cpu=plan.pin_cpus, **self._kwargs, **extra,
+        )
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -153,9 +183,34 @@ class WorkerGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Run ``method`` on every rank and wait; returns the results in rank order."""
+        return self.get(self.call_async(method, *args, **kwargs), f"{self.name}.{method}")
+
+    def kill(self, rank: int) -> None:
+        """End rank ``rank``'s process, whatever state it is in (a stopped process too)."""
         import ray
 
-        return ray.get(self.call_async(method, *args, **kwargs))
+        ray.kill(self.workers[rank], no_restart=True)
+        process = self.processes[rank]
+        if process is not None and process.node_id == _this_node():
+            try:  # Ray asks the process to exit first, which a stopped or hung one never does
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def replace(self, rank: int) -> None:
+        """Kill rank ``rank`` and start a new process in its place, built as the first was."""
+        self.kill(rank)
+        self.processes[rank] = None
+        self.workers[rank] = self._start(rank)
+        wait_ready(self)
+
+    def restart(self) -> None:
+        """Replace every rank (a group whose ranks hold shared state: data-parallel actor ranks)."""
+        for rank in range(len(self.workers)):
+            self.kill(rank)
+            self.processes[rank] = None
+        self.workers = [self._start(rank) for rank in range(len(self.workers))]
+        wait_ready(self)
 
     def shutdown(self) -> None:
         import ray
@@ -165,9 +220,26 @@ class WorkerGroup:
         self.workers = []
 
 
-def wait_ready(*groups: WorkerGroup) -> None:
-    """Wait until every worker of ``groups`` is constructed (groups started with ``wait=False``
-    come up side by side); fail here, with the worker's own error, if a constructor raised."""
+def _ray_get(refs: list, what: str) -> list:
     import ray
 
-    ray.get([w.ping.remote() for group in groups for w in group.workers])
+    return ray.get(refs)
+
+
+def _this_node() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def wait_ready(*groups: WorkerGroup) -> None:
+    """Wait until every worker of ``groups`` is constructed (groups started with ``wait=False``
+    come up side by side), and note where each runs; fail here, with the worker's own error, if
+    a constructor raised."""
+    import ray
+
+    pending = [(group, rank) for group in groups for rank in range(len(group.workers))
+               if group.processes[rank] is None]
+    found = ray.get([group.workers[rank].process.remote() for group, rank in pending])
+    for (group, rank), process in zip(pending, found, strict=True):
+        group.processes[rank] = process

@@ -85,7 +85,11 @@ class EnvWorker(Worker):
         for _ in range(num_steps):
             for s, env in enumerate(self.envs):
                 t0 = time.perf_counter()
-                actions = actions_in.next()
+                self.waiting_on_peers = True
+                try:
+                    actions = actions_in.next()
+                finally:
+                    self.waiting_on_peers = False
                 t1, start = time.perf_counter(), time.time()
                 result = env.step(actions)
                 step_s += time.perf_counter() - t1
@@ -151,9 +155,17 @@ class EnvWorker(Worker):
     def last_trace(self) -> list[tuple[str, float, float]]:
         return self.trace
 
+    def simulator_pids(self) -> list[int]:
+        """The pids of this worker's simulator processes (``env.num_procs > 0``; none in-process)."""
+        return [proc.pid for env in self.envs for proc in getattr(_unchunked(env), "_procs", [])]
+
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+def _unchunked(env):
+    return env.env if isinstance(env, ChunkedVecEnv) else env
 
 
 class _EpisodeFrames:

@@ -50,10 +50,10 @@ class RolloutWorker(Worker):
         self.streams = layout.streams(self.rank, self.world_size)
         self.env_ranks = sorted({r for r, _ in self.streams})
         self.action_shape = (layout.envs_per_worker, self.policy.noise_dim)
-        # ... and the same noise: one generator per env rank, one draw per step for its whole slice
-        seeds = RunSeeds(seed)
-        self.generators = {r: torch.Generator().manual_seed(seeds.generator(Purpose.ROLLOUT_NOISE, r))
-                           for r in self.env_ranks}
+        # ... and the same noise: one generator per env rank, one draw per step for its whole slice,
+        # seeded anew each iteration (a redone iteration, on a new worker too, samples as the first try)
+        self.seeds = RunSeeds(seed)
+        self.generators: dict[int, torch.Generator] = {}
         self.shared: SharedWeights | None = None
         self._start_timing()
 
@@ -98,7 +98,11 @@ class RolloutWorker(Worker):
         """Wait for the next micro-batch; the time until the next ``_get`` counts as busy (``infer``)."""
         t0 = time.perf_counter()
         self._end_busy()
-        msg = incoming.next()
+        self.waiting_on_peers = True
+        try:
+            msg = incoming.next()
+        finally:
+            self.waiting_on_peers = False
         self.times["wait_s"] += time.perf_counter() - t0
         self._busy_since = time.time()
         return msg
@@ -129,9 +133,12 @@ class RolloutWorker(Worker):
         return self.times
 
     @torch.no_grad()
-    def collect(self, num_steps: int, channel: Channel) -> Trajectory:
-        """Drive ``num_steps`` env steps on each served micro-batch; returns the trajectory."""
+    def collect(self, num_steps: int, channel: Channel, iteration: int) -> Trajectory:
+        """Drive ``num_steps`` env steps on each served micro-batch with training iteration
+        ``iteration``'s noise; returns the trajectory."""
         self._start_timing()
+        self.generators = {r: torch.Generator().manual_seed(self.seeds.generator(Purpose.ROLLOUT_NOISE, r, iteration))
+                           for r in self.env_ranks}
         buffers = {stream: _empty_buffer() for stream in self.streams}
         incoming = self._observations(channel, num_steps)
         for t in range(num_steps + 1):

@@ -1,0 +1,295 @@
+"""Worker faults: which worker failed and how, the deadlines that catch a hang, and the budget
+of restarts a run allows.
+
+The runner waits on every remote call through :class:`Watchdog` (``Workers.get`` in
+embodied/runner.py). A call that raises because a worker died, or that outlives its
+deadline, becomes a :class:`WorkerFailure` naming each faulty worker as a :class:`WorkerFault`:
+
+- ``dead``: its process is gone (``ActorDiedError`` / ``RayActorError``: killed, crashed, out
+  of memory);
+- ``node_failed``: dead, and so is the Ray node it ran on;
+- ``hung``: the call outlived its deadline and the worker does not answer a ping (a stopped
+  or deadlocked process), or answers but is busy in its own work, not waiting on a peer
+  (a simulator stuck inside a step);
+- ``crashed``: it raised (an env process that crashed below an EnvWorker).
+
+A deadline is ``max(floor, factor x the slowest of the call's recent durations)``, or a fixed
+override; before a call was ever measured it is the start-up deadline (the first rollout pays
+for imports and renderer set-up).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler.worker import WorkerGroup
+
+FAULT_KINDS = {"dead": "died", "hung": "hung", "node_failed": "was lost with its node", "crashed": "raised"}
+
+
+@dataclass
+class WorkerFault:
+    """One worker that failed during a call the runner waited on."""
+
+    group: str  # "env" | "rollout" | "actor"
+    rank: int
+    kind: str  # a key of FAULT_KINDS
+    call: str  # what the runner waited on, e.g. "rollout" or "actor.update"
+    detail: str  # one line: the error, or the deadline that passed
+    pid: int | None = None
+    node_id: str | None = None
+    log_tail: list[str] = field(default_factory=list)  # the worker's last log lines (Ray's log files)
+
+    def describe(self) -> str:
+        return (f"{self.group} worker rank {self.rank} (pid {self.pid}) {FAULT_KINDS[self.kind]} "
+                f"during {self.call}: {self.detail}")
+
+
+class WorkerFailure(Exception):
+    """A call the runner waited on failed; ``faults`` names the workers to replace (empty: every
+    worker answers and none is stuck in its own work, so the call stalled between them)."""
+
+    def __init__(self, call: str, faults: list[WorkerFault], detail: str):
+        self.call, self.faults, self.detail = call, faults, detail
+        names = "; ".join(f.describe() for f in faults) or f"no worker at fault ({detail})"
+        super().__init__(f"{call} failed: {names}")
+
+
+class RestartBudgetExceeded(Exception):
+    """More restarts of one group within the window than ``runner.max_worker_restarts`` allows."""
+
+    def __init__(self, fault: WorkerFault, restarts: int, limit: int, window_minutes: float):
+        self.fault, self.restarts, self.limit, self.window_minutes = fault, restarts, limit, window_minutes
+        self.checkpoint: str | None = None  # what the runner saved on the way out
+        self.run_dir = "<run_dir>"  # the run to resume
+        super().__init__(fault.describe())
+
+    def message(self) -> str:
+        """The one paragraph a user reads: which worker, how often, its last log lines, how to go on."""
+        saved = (f"A checkpoint was written now: {self.checkpoint}." if self.checkpoint
+                 else "The actor was lost with it: the last periodic checkpoint is the newest.")
+        tail = "\n".join(f"    {line}" for line in self.fault.log_tail[-10:]) or "    (no log lines found)"
+        return (f"The run stopped: {self.fault.describe()}. That is restart {self.restarts} of the "
+                f"{self.fault.group} workers within {self.window_minutes:g} minutes, beyond "
+                f"runner.max_worker_restarts={self.limit}. {saved} Its last log lines:\n{tail}\n"
+                f"Find the cause (memory: `dmesg`, the simulator: `embodied check-render`), then continue with "
+                f"`embodied train resume={self.run_dir}` (raise runner.max_worker_restarts or "
+                f"runner.restart_window_minutes to tolerate more).")
+
+
+class Deadlines:
+    """How long the runner waits for each kind of call (see the module docstring)."""
+
+    def __init__(self, floor_s: float, factor: float, first_s: float, fixed_s: float | None = None,
+                 window: int = 20):
+        self.floor_s, self.factor, self.first_s, self.fixed_s = floor_s, factor, first_s, fixed_s
+        self.history: dict[str, deque] = defaultdict(lambda: deque(maxlen=window))
+
+    def of(self, call: str) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        seen = self.history.get(call)
+        if not seen:
+            return max(self.first_s, self.floor_s)
+        return max(self.floor_s, self.factor * max(seen))
+
+    def record(self, call: str, seconds: float) -> None:
+        self.history[call].append(seconds)
+
+
+class RestartBudget:
+    """At most ``limit`` restarts of each group within any ``window_s`` seconds."""
+
+    def __init__(self, limit: int, window_s: float, clock: Callable[[], float] = time.monotonic):
+        self.limit, self.window_s, self.clock = limit, window_s, clock
+        self.restarts: dict[str, list[float]] = defaultdict(list)
+
+    def spend(self, group: str) -> int:
+        """Count one restart of ``group``; returns how many fall in the window, this one included
+        (more than ``limit``: over budget)."""
+        now = self.clock()
+        recent = [t for t in self.restarts[group] if now - t < self.window_s] + [now]
+        self.restarts[group] = recent
+        return len(recent)
+
+
+class Watchdog:
+    """Waits on the refs of calls to ``groups`` with deadlines; a dead or hung worker becomes a
+    :class:`WorkerFailure`. Refs of calls in flight stay listed until they settle, so an aborted
+    call's survivors can be waited for (:meth:`settle`)."""
+
+    def __init__(self, groups: dict[str, WorkerGroup], deadlines: Deadlines, probe_every_s: float = 5.0,
+                 ping_timeout_s: float = 10.0):
+        self.groups, self.deadlines = groups, deadlines
+        self.probe_every_s, self.ping_timeout_s = probe_every_s, ping_timeout_s
+        self.in_flight: list = []
+
+    def get(self, refs: list, call: str, fetch: bool = True) -> list:
+        """Wait for ``refs`` (all from calls named ``call``) within ``call``'s deadline; returns
+        their values (``fetch=False``: only waits, leaving large results in the object store).
+        Raises :class:`WorkerFailure`."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        self.in_flight += refs
+        deadline = self.deadlines.of(call)
+        started = time.perf_counter()
+        pending = list(refs)
+        while pending:
+            elapsed = time.perf_counter() - started
+            if elapsed > deadline:
+                raise self._failure(call, pending, f"no answer within its deadline of {deadline:.0f} s", timeout=True)
+            wait_s = min(self.probe_every_s, deadline - elapsed)
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s, fetch_local=False)
+            if pending and time.perf_counter() - started >= self.probe_every_s:
+                dead = self._dead_workers(call)
+                if dead:
+                    raise WorkerFailure(call, dead, "a worker died")
+        try:
+            # not fetched: an error in them surfaces in the call that reads them (see _crashed_worker)
+            values = ray.get(refs) if fetch else [None] * len(refs)
+        except (RayActorError, RayTaskError, GetTimeoutError) as err:
+            raise self._failure(call, [], _first_line(err), error=err) from None
+        self.deadlines.record(call, time.perf_counter() - started)
+        self._forget(refs)
+        return values
+
+    # -- diagnosis ----------------------------------------------------------------------
+    def _failure(self, call: str, pending: list, detail: str, timeout: bool = False,
+                 error: BaseException | None = None) -> WorkerFailure:
+        faults = self._dead_workers(call)
+        crashed = _crashed_worker(error, self.groups, call) if error is not None else None
+        if crashed is not None and not any((f.group, f.rank) == (crashed.group, crashed.rank) for f in faults):
+            faults.append(crashed)
+        if timeout:
+            faults += self._hung_workers(call, pending, detail, known={(f.group, f.rank) for f in faults})
+        for fault in faults:
+            fault.log_tail = log_tail(fault.pid)
+        return WorkerFailure(call, faults, detail)
+
+    def _ping_all(self, timeout_s: float) -> dict[tuple[str, int], str]:
+        """``(group, rank) -> "alive" | "dead" | "silent"`` (no answer within ``timeout_s``)."""
+        import ray
+
+        pings = {(name, rank): worker.ping.remote()
+                 for name, group in self.groups.items() for rank, worker in enumerate(group.workers)}
+        ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
+        ready = set(ready)
+        status = {}
+        for key, ref in pings.items():
+            if ref not in ready:
+                status[key] = "silent"
+                continue
+            try:
+                ray.get(ref)
+                status[key] = "alive"
+            except Exception:
+                status[key] = "dead"
+        return status
+
+    def _dead_workers(self, call: str) -> list[WorkerFault]:
+        faults = []
+        for (name, rank), state in self._ping_all(timeout_s=min(self.ping_timeout_s, 2.0)).items():
+            if state == "dead":
+                process = self.groups[name].processes[rank]
+                node = process.node_id if process else None
+                kind = "node_failed" if node is not None and not _node_alive(node) else "dead"
+                faults.append(WorkerFault(name, rank, kind, call, "its process is gone",
+                                          process.pid if process else None, node))
+        return faults
+
+    def _hung_workers(self, call: str, pending: list, deadline: str, known: set) -> list[WorkerFault]:
+        """After a deadline: workers that do not answer a ping, else those still busy with the call
+        in their own work (not waiting on a peer)."""
+        import ray
+
+        status = self._ping_all(self.ping_timeout_s)
+        silent = [key for key, state in status.items() if state == "silent" and key not in known]
+        if silent:
+            return [self._fault(name, rank, "hung", call, f"{deadline}; it does not answer a ping")
+                    for name, rank in silent]
+        busy = {self._owner(ref) for ref in pending} - {None} - known
+        working = [key for key in sorted(busy) if not ray.get(self.groups[key[0]].workers[key[1]].activity.remote())]
+        return [self._fault(name, rank, "hung", call, f"{deadline}; busy in its own work, not waiting on a peer")
+                for name, rank in working]
+
+    def _fault(self, group: str, rank: int, kind: str, call: str, detail: str) -> WorkerFault:
+        process = self.groups[group].processes[rank]
+        return WorkerFault(group, rank, kind, call, detail, process.pid if process else None,
+                           process.node_id if process else None)
+
+    def _owner(self, ref) -> tuple[str, int] | None:
+        """Which worker a ref's call runs on (matched by the actor that owns the task)."""
+        task_actor = ref.task_id().actor_id()
+        for name, group in self.groups.items():
+            for rank, worker in enumerate(group.workers):
+                if worker._actor_id == task_actor:
+                    return name, rank
+        return None
+
+    # -- after a failure ------------------------------------------------------------------
+    def settle(self, timeout_s: float) -> list[tuple[str, int]]:
+        """Wait up to ``timeout_s`` for the calls still in flight (an aborted call's survivors end
+        once their channel is gone); returns the workers whose calls did not end."""
+        import ray
+
+        refs, self.in_flight = self.in_flight, []
+        if not refs:
+            return []
+        _, stuck = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+        return sorted({self._owner(ref) for ref in stuck} - {None})
+
+    def _forget(self, refs: list) -> None:
+        done = {r.hex() for r in refs}
+        self.in_flight = [r for r in self.in_flight if r.hex() not in done]
+
+
+def _crashed_worker(error: BaseException, groups: dict[str, WorkerGroup], call: str) -> WorkerFault | None:
+    """The worker whose own code raised ``error`` (a ``RayTaskError``), found by its pid."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if not isinstance(error, RayTaskError) or isinstance(error, RayActorError):
+        return None
+    for name, group in groups.items():
+        for rank, process in enumerate(group.processes):
+            if process is not None and process.pid == error.pid:
+                cause = error.cause if error.cause is not None else error
+                return WorkerFault(name, rank, "crashed", call, _first_line(cause), process.pid, process.node_id)
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[-1] if text else ''}"[:300]
+
+
+def _node_alive(node_id: str) -> bool:
+    import ray
+
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+def log_tail(pid: int | None, lines: int = 20) -> list[str]:
+    """The last ``lines`` lines a worker process wrote (Ray keeps ``worker-*-<pid>.{out,err}`` in
+    its session's logs folder); empty where none is found (a worker on another node)."""
+    if pid is None:
+        return []
+    try:
+        import ray
+
+        logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    except Exception:
+        return []
+    found: list[str] = []
+    for path in sorted(glob.glob(os.path.join(logs, f"worker-*-{pid}.*"))):
+        try:
+            with open(path, errors="replace") as f:
+                found += [line.rstrip() for line in f.readlines()[-lines:] if line.strip()]
+        except OSError:
+            continue
+    return found[-lines:]
