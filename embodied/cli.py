@@ -1,4 +1,4 @@
-"""``embodied``: train | sft | eval | evals | record | bench | plan | check-render | setup-render.
+"""``embodied``: train | sft | eval | evals | record | bench | plan | chaos | check-render | setup-render.
 
 Arguments after the subcommand are Hydra overrides, e.g.
 ``embodied train env=maniskill_pickcube algorithm.lr=3e-4``.
@@ -83,7 +83,8 @@ def _removed_if_failed_empty(path: Path):
         raise
 
 
-def cmd_train(overrides: list[str], print_cfg: bool) -> int:
+def cmd_train(overrides: list[str], print_cfg: bool, chaos: ChaosOptions | None = None) -> int:
+    """Train; with ``chaos``, while a :class:`~embodied.chaos.ChaosMonkey` kills and stops workers."""
     from embodied.checkpoint import BEST, load_checkpoint, resolve_checkpoint
     from embodied.evaluate import write_eval, write_videos
     from embodied.run_dirs import claim_dir, file_away_final_eval, index_evaluation, protocol_digest
@@ -114,8 +115,11 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
         cfg.runner.run_dir = str(run_dir)
     with _removed_if_failed_empty(run_dir):
         trainer = Trainer(cfg, run_dir, resume_from=resume_state, warm_start=warm)
+    monkey = chaos.start(trainer) if chaos else None
     try:
         summary = trainer.train()
+        if monkey is not None:
+            monkey.stop()
         file_away_final_eval(run_dir)  # a resumed run's earlier final evaluation is kept, not replaced
         table = write_eval(run_dir, summary)
         seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
@@ -124,14 +128,65 @@ def cmd_train(overrides: list[str], print_cfg: bool) -> int:
         index_evaluation(run_dir, run_dir, summary, "train", str(evaluated), protocol_digest(cfg.eval, cfg.env, seeds))
         write_videos(run_dir / "videos", trainer.final_videos, summary["rows"], cfg.env)  # filmed during the eval
     finally:
+        if monkey is not None:
+            monkey.stop()
         trainer.close()
     t, weights = summary["training"], summary["evaluated"]
     print(table)
     print(f"trained {t['env_steps']} env steps in {t['train_minutes']:.1f} min "
           f"({t['env_steps_per_s']:.0f} env-steps/s); eval of the {weights['weights']} weights (iteration "
           f"{weights['iteration']}) over {summary['episodes']} episodes: success_once {summary['success_once']:.3f}")
+    if monkey is not None:
+        chaos.finish(monkey, run_dir, summary, overrides)
     print(run_dir.resolve())
     return 0
+
+
+@dataclasses.dataclass
+class ChaosOptions:
+    """``embodied chaos``: how many faults, drawn with which seed, into which targets."""
+
+    faults: int
+    seed: int
+    targets: tuple[str, ...]
+    reference: bool
+
+    def start(self, trainer):
+        from embodied.chaos import ChaosMonkey, draw_schedule
+
+        self.schedule = draw_schedule(self.seed, self.faults, trainer.total_iterations, self.targets)
+        monkey = ChaosMonkey(trainer, self.schedule)
+        monkey.start()
+        return monkey
+
+    def finish(self, monkey, run_dir: Path, summary: dict, overrides: list[str]) -> None:
+        """Write chaos.json / chaos.md into the run and print the table; with ``reference``, train the
+        same config without faults (into ``<run_dir>/reference``) and compare the final evaluations."""
+        from embodied.chaos import compare, markdown, report
+
+        result = report(monkey.fired, self.schedule, summary["faults"])
+        if self.reference:
+            reference_dir = run_dir / "reference"
+            print(f"training the same config without faults into {reference_dir}", file=sys.stderr)
+            if cmd_train([*overrides, f"runner.run_dir={reference_dir}"], print_cfg=False) != 0:
+                raise UserError(f"The reference run in {reference_dir} failed; its output is above.")
+            reference = json.loads((reference_dir / "eval.json").read_text())
+            result["reference"] = compare(summary["rows"], reference["rows"])
+        (run_dir / "chaos.json").write_text(json.dumps(result, indent=1))
+        (run_dir / "chaos.md").write_text(markdown(result) + "\n")
+        print(markdown(result))
+
+
+def cmd_chaos(overrides: list[str], faults: int, seed: int, targets: str, reference: bool) -> int:
+    """``embodied chaos [overrides]``: train under a seeded schedule of worker kills and stops."""
+    from embodied.chaos import TARGETS
+
+    chosen = tuple(t.strip() for t in targets.split(",") if t.strip())
+    unknown = [t for t in chosen if t not in TARGETS]
+    if unknown or not chosen:
+        raise UserError(f"--targets {targets!r}: name some of {', '.join(TARGETS)}, comma-separated "
+                        "(simulator: the sim processes of env workers, with env.num_procs > 0).")
+    return cmd_train(overrides, print_cfg=False, chaos=ChaosOptions(faults, seed, chosen, reference))
 
 
 def _checkpointed(overrides: list[str]):
@@ -413,7 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="plan: a saved profile (JSON) instead of this machine's")
     parser.add_argument("--devices-per-node", type=int, help="plan: nodes of this many devices (what-if)")
     parser.add_argument("--network-gbps", type=float, default=100.0, help="plan: link between nodes, Gb/s")
-    parser.add_argument("command", choices=["train", "sft", "eval", "evals", "record", "bench", "plan",
+    parser.add_argument("--faults", type=int, default=10, help="chaos: worker faults to inject")
+    parser.add_argument("--chaos-seed", type=int, default=0, help="chaos: seed of the fault schedule")
+    parser.add_argument("--targets", default="env,rollout,actor",
+                        help="chaos: which processes to signal (env, rollout, actor, simulator)")
+    parser.add_argument("--reference", action="store_true",
+                        help="chaos: also train without faults and compare the final evaluations")
+    parser.add_argument("command", choices=["train", "sft", "eval", "evals", "record", "bench", "plan", "chaos",
                                             "check-render", "setup-render"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
                         "(bench: the benchmark name first, e.g. `embodied bench pipeline`)")
@@ -427,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": lambda: cmd_bench(args.overrides, args.json, args.iterations),
         "plan": lambda: cmd_plan(args.overrides, args.devices, args.profile, args.json, args.devices_per_node,
                                  args.network_gbps),
+        "chaos": lambda: cmd_chaos(args.overrides, args.faults, args.chaos_seed, args.targets, args.reference),
         "check-render": cmd_check_render,
         "setup-render": cmd_setup_render,
     }

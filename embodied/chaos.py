@@ -1,0 +1,167 @@
+"""``embodied chaos``: train while killing and stopping worker processes on a seeded schedule,
+then report what the run survived.
+
+    embodied chaos [train overrides] --faults 10 --chaos-seed 0 [--targets env,rollout,actor,simulator]
+        [--reference]
+
+Each :class:`Injection` waits until training has completed ``iteration`` iterations, then
+``delay_s`` more (so it lands mid-rollout or mid-update), and sends SIGKILL (``kill``: a worker
+that dies) or SIGSTOP (``stop``: a worker that hangs) to one process of its target: an env,
+rollout or actor worker, or a simulator process under an env worker (``env.num_procs > 0``).
+The report matches each injection to the fault the run detected (by process id), with what it
+cost. ``--reference`` then trains the same config without faults and compares the final
+evaluations row by row: for GRPO, which starts every iteration from seeded resets, a redone
+iteration is the iteration the fault broke, so the two runs can agree exactly; PPO's episodes
+run across iterations, and a fault resets them, so its runs differ.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+TARGETS = ("env", "rollout", "actor", "simulator")
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+GROUP_OF = {"env": "env", "rollout": "rollout", "actor": "actor", "simulator": "env"}  # who is replaced
+
+
+@dataclass(frozen=True)
+class Injection:
+    iteration: int  # fire once training has completed this many iterations ...
+    delay_s: float  # ... and this many seconds more
+    target: str  # one of TARGETS
+    rank: int  # which process of the target (modulo how many there are)
+    how: str  # "kill" | "stop"
+
+
+def draw_schedule(seed: int, faults: int, iterations: int, targets: tuple[str, ...] = TARGETS[:3],
+                  stop_share: float = 0.25, max_delay_s: float = 3.0) -> list[Injection]:
+    """``faults`` injections spread over iterations 2 .. 80% of ``iterations``, cycling through
+    ``targets`` (shuffled per round) so each gets its share; ``stop_share`` of them SIGSTOP."""
+    rng = random.Random(seed)
+    last = max(2, int(0.8 * iterations))
+    at = sorted(rng.randint(2, last) for _ in range(faults))
+    order: list[str] = []
+    while len(order) < faults:
+        order += rng.sample(list(targets), len(targets))
+    return [Injection(iteration, round(rng.uniform(0.2, max_delay_s), 2), target, rng.randrange(1 << 16),
+                      "stop" if rng.random() < stop_share else "kill")
+            for iteration, target in zip(at, order, strict=False)]
+
+
+@dataclass
+class Injected:
+    """An injection as it was fired."""
+
+    injection: Injection
+    pid: int
+    worker_pid: int  # the worker that owns the process (itself, or a simulator's env worker)
+    unix_time: float
+    iteration: int  # iterations completed when it fired
+
+
+class ChaosMonkey(threading.Thread):
+    """Fires a schedule of injections into a running :class:`~embodied.runner.Trainer`."""
+
+    def __init__(self, trainer, schedule: list[Injection], poll_s: float = 0.1):
+        super().__init__(daemon=True, name="chaos")
+        self.trainer, self.schedule, self.poll_s = trainer, schedule, poll_s
+        self.fired: list[Injected] = []
+        self.done = threading.Event()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=10)
+
+    def _wait_until(self, ready) -> bool:
+        while not ready():
+            if self.done.wait(self.poll_s):
+                return False
+        return True
+
+    def run(self) -> None:
+        trainer = self.trainer
+        for injection in self.schedule:
+            if not self._wait_until(lambda i=injection: trainer.progress.iteration >= i.iteration
+                                    and not trainer.recovering):
+                return
+            if self.done.wait(injection.delay_s):
+                return
+            if not self._wait_until(lambda: not trainer.recovering):
+                return
+            target = self._process(injection)
+            if target is None:
+                continue
+            pid, owner = target
+            try:
+                os.kill(pid, SIGNALS[injection.how])
+            except ProcessLookupError:
+                continue
+            self.fired.append(Injected(injection, pid, owner, time.time(), trainer.progress.iteration))
+
+    def _process(self, injection: Injection) -> tuple[int, int] | None:
+        """(pid to signal, pid of the worker that owns it), or None if there is none."""
+        import ray
+
+        workers = self.trainer.workers
+        group = workers.groups[GROUP_OF[injection.target]]
+        ranks = [r for r, p in enumerate(group.processes) if p is not None]
+        if not ranks:
+            return None
+        rank = ranks[injection.rank % len(ranks)]
+        owner = group.processes[rank].pid
+        if injection.target != "simulator":
+            return owner, owner
+        sims = ray.get(group.workers[rank].simulator_pids.remote(), timeout=10)
+        return (sims[injection.rank % len(sims)], owner) if sims else None
+
+
+def report(fired: list[Injected], schedule: list[Injection], faults: dict) -> dict:
+    """Each injection matched to the fault the run recorded for its worker (by pid)."""
+    events = list(faults.get("events", []))
+    rows = []
+    for shot in fired:
+        match = next((e for e in events if e["pid"] == shot.worker_pid), None)
+        if match is not None:
+            events.remove(match)
+        rows.append({**asdict(shot.injection), "pid": shot.pid, "fired_at_iteration": shot.iteration,
+                     "detected_as": match["kind"] if match else None, "call": match["call"] if match else None,
+                     "action": match["action"] if match else None,
+                     "recovery_s": match["recovery_s"] if match else None,
+                     "iterations_lost": match["iterations_lost"] if match else 0})
+    return {"scheduled": len(schedule), "injected": len(fired), "detected": sum(r["detected_as"] is not None
+                                                                              for r in rows),
+            "faults_recorded": faults.get("count", 0), "iterations_lost": faults.get("iterations_lost", 0),
+            "recovery_s": faults.get("recovery_s", 0.0), "injections": rows}
+
+
+def compare(chaos_rows: list[dict], reference_rows: list[dict]) -> dict:
+    """How the chaos run's final evaluation differs from the fault-free run's, episode by episode."""
+    same = sum(a["success_once"] == b["success_once"] and abs(a["return"] - b["return"]) < 1e-9
+               for a, b in zip(chaos_rows, reference_rows, strict=True))
+    mean = lambda rows: sum(float(r["success_once"]) for r in rows) / len(rows)  # noqa: E731
+    return {"episodes": len(chaos_rows), "identical_episodes": same,
+            "success_once": mean(chaos_rows), "reference_success_once": mean(reference_rows)}
+
+
+def markdown(result: dict) -> str:
+    lines = ["| # | at iteration | target | signal | pid | detected as | during | action | recovery (s) | "
+             "iterations lost |", "|---:|---:|---|---|---:|---|---|---|---:|---:|"]
+    for k, r in enumerate(result["injections"]):
+        recovery = f"{r['recovery_s']:.1f}" if r["recovery_s"] is not None else "-"
+        lines.append(f"| {k} | {r['fired_at_iteration']} | {r['target']} | {r['how']} | {r['pid']} | "
+                     f"{r['detected_as'] or 'not detected'} | {r['call'] or '-'} | {r['action'] or '-'} | "
+                     f"{recovery} | {r['iterations_lost']} |")
+    lines.append(f"\n{result['injected']} of {result['scheduled']} scheduled faults injected, {result['detected']} "
+                 f"detected and survived; {result['faults_recorded']} faults recorded in all, "
+                 f"{result['iterations_lost']} iterations lost, {result['recovery_s']:.0f} s spent recovering.")
+    if "reference" in result:
+        ref = result["reference"]
+        lines.append(f"Final evaluation: success_once {ref['success_once']:.3f} with faults, "
+                     f"{ref['reference_success_once']:.3f} without; {ref['identical_episodes']} of "
+                     f"{ref['episodes']} episodes identical.")
+    return "\n".join(lines)

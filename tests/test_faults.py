@@ -1,0 +1,128 @@
+"""A run survives its workers: real Ray, real ManiSkill, real signals.
+
+A worker killed (SIGKILL) or stopped (SIGSTOP) mid-run is found, replaced, and the run completes
+its iterations and its final evaluation; beyond the restart budget it stops with exit code 3, a
+checkpoint written then, and a message. Plus the pure logic: deadlines, the budget's window, the
+chaos schedule.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from embodied.chaos import ChaosMonkey, Injection, draw_schedule, report
+from embodied.checkpoint import load_checkpoint
+from embodied.runner import Trainer
+from scheduler.faults import Deadlines, RestartBudget
+from tests.conftest import SMALL_OVERRIDES, run_cli, small_config
+
+# 6 iterations of 40 env steps; quick deadlines, so a stopped worker is found in seconds
+FAULTY = ["runner.total_env_steps=240", "runner.checkpoint_every=2", "runner.call_deadline_floor_s=4",
+          "runner.call_deadline_factor=3"]
+
+
+def test_a_deadline_is_a_multiple_of_the_slowest_recent_call_above_a_floor():
+    deadlines = Deadlines(floor_s=10, factor=4, first_s=600)
+    assert deadlines.of("rollout") == 600  # never measured: the start-up deadline
+    deadlines.record("rollout", 1.0)
+    assert deadlines.of("rollout") == 10  # 4 x 1 s is under the floor
+    deadlines.record("rollout", 5.0)
+    deadlines.record("rollout", 2.0)
+    assert deadlines.of("rollout") == 20  # the slowest recent call sets it
+    assert Deadlines(10, 4, 600, fixed_s=7).of("rollout") == 7  # runner.call_deadline_s overrides
+
+
+def test_the_restart_budget_counts_restarts_per_group_within_its_window():
+    now = [0.0]
+    budget = RestartBudget(limit=2, window_s=100, clock=lambda: now[0])
+    assert [budget.spend("env") for _ in range(3)] == [1, 2, 3]  # the third is over the limit of 2
+    assert budget.spend("actor") == 1  # groups are counted apart
+    now[0] = 150.0
+    assert budget.spend("env") == 1  # the window has passed
+
+
+def test_the_chaos_schedule_is_seeded_spread_and_hits_every_target():
+    a, b = draw_schedule(3, 12, 50), draw_schedule(3, 12, 50)
+    assert a == b and a != draw_schedule(4, 12, 50)
+    assert all(2 <= i.iteration <= 40 for i in a)
+    assert [i.iteration for i in a] == sorted(i.iteration for i in a)
+    assert {i.target for i in a} == {"env", "rollout", "actor"}
+    assert {i.how for i in a} <= {"kill", "stop"}
+
+
+def _train_with(tmp_path, *injections: Injection, overrides: tuple[str, ...] = ()):
+    cfg = small_config(f"runner.run_dir={tmp_path}", *FAULTY, *overrides)
+    trainer = Trainer(cfg, tmp_path)
+    monkey = ChaosMonkey(trainer, list(injections))
+    monkey.start()
+    try:
+        summary = trainer.train()
+    finally:
+        monkey.stop()
+        trainer.close()
+    return trainer, summary, monkey
+
+
+@pytest.mark.parametrize("target,how,kind", [("env", "kill", "dead"), ("rollout", "kill", "dead"),
+                                             ("actor", "kill", "dead"), ("env", "stop", "hung")])
+def test_a_run_survives_a_worker_killed_or_stopped_mid_run(ray_cluster, tmp_path, target, how, kind):
+    trainer, summary, monkey = _train_with(tmp_path, Injection(3, 0.3, target, 1, how))
+    assert len(monkey.fired) == 1, "the fault was not injected"
+    faults = summary["faults"]
+    mine = [e for e in faults["events"] if e["pid"] == monkey.fired[0].worker_pid]
+    assert mine and mine[0]["group"] == target and mine[0]["kind"] == kind, faults
+    # the run completed every iteration and its final evaluation, on workers that are not the faulty one
+    assert trainer.progress.iteration == trainer.total_iterations == 6
+    assert summary["training"]["env_steps"] == 240 and summary["episodes"] == 4
+    assert monkey.fired[0].worker_pid not in trainer.workers.process_ids(target)
+    if target == "actor":  # restored from the checkpoint of iteration 2 (checkpoint_every=2): at most 2 lost
+        assert mine[0]["action"].startswith("actor group restored from ckpt_") and mine[0]["iterations_lost"] <= 2
+    else:
+        assert mine[0]["action"] == "replaced" and mine[0]["iterations_lost"] == 0
+    if how == "stop":  # found within its deadline (4 s floor, a few s of probing), not the 900 s start-up one
+        assert mine[0]["recovery_s"] < 120
+    assert report(monkey.fired, [], faults)["detected"] == 1
+
+
+def test_grpo_redoes_a_broken_iteration_exactly_so_the_run_ends_as_one_without_faults(ray_cluster, tmp_path):
+    """GRPO resets every iteration from seeded states and draws the iteration's own rollout noise:
+    the iteration a killed env worker broke is redone as it would have run, so the final weights
+    equal those of a run without the fault, bit for bit."""
+    grpo = ("algorithm=grpo", "algorithm.group_size=2", "env.max_episode_steps=10", "algorithm.rollout_steps=10",
+            "algorithm.filter_uniform_groups=false")
+    faulty, _, monkey = _train_with(tmp_path / "faulty", Injection(2, 0.2, "env", 0, "kill"), overrides=grpo)
+    clean, _, _ = _train_with(tmp_path / "clean", overrides=grpo)
+    assert len(monkey.fired) == 1
+    a = load_checkpoint(tmp_path / "faulty")["actor"]["policy"]
+    b = load_checkpoint(tmp_path / "clean")["actor"]["policy"]
+    assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_embodied_chaos_reports_the_faults_it_injected_and_the_run_survived(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SMALL_OVERRIDES, *FAULTY, "runner.total_env_steps=400", f"runner.run_dir={run_dir}", "ray.num_cpus=2"]
+    proc = run_cli("chaos", *args, "--faults", "3", "--chaos-seed", "1", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    chaos = json.loads((run_dir / "chaos.json").read_text())
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    assert chaos["injected"] == 3 and chaos["detected"] == 3, chaos
+    assert {r["target"] for r in chaos["injections"]} == {"env", "rollout", "actor"}
+    assert evaluation["faults"]["count"] >= 3 and len(evaluation["rows"]) == 4
+    assert "detected and survived" in (run_dir / "chaos.md").read_text()
+
+
+def test_beyond_the_restart_budget_the_run_stops_with_exit_3_a_fresh_checkpoint_and_the_message(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SMALL_OVERRIDES, *FAULTY, "runner.checkpoint_every=1000", "runner.max_worker_restarts=0",
+            f"runner.run_dir={run_dir}", "ray.num_cpus=2"]
+    proc = run_cli("chaos", *args, "--faults", "1", "--targets", "env", timeout=600)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    message = proc.stderr[proc.stderr.index("error: "):]
+    assert "env worker rank" in message and "runner.max_worker_restarts=0" in message
+    assert f"embodied train resume={run_dir}" in message
+    # no periodic checkpoint was due (checkpoint_every=1000): the one there was written on the way out
+    state = load_checkpoint(run_dir)
+    assert 2 <= state["progress"]["iteration"] < 6
+    assert "A checkpoint was written now" in message
