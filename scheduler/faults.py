@@ -149,7 +149,7 @@ class Watchdog:
             if pending and time.perf_counter() - started >= self.probe_every_s:
                 dead = self._dead_workers(call)
                 if dead:
-                    raise WorkerFailure(call, dead, "a worker died")
+                    raise _with_log_tails(WorkerFailure(call, dead, "a worker died"))
         try:
             # not fetched: an error in them surfaces in the call that reads them (see _crashed_worker)
             values = ray.get(refs) if fetch else [None] * len(refs)
@@ -168,9 +168,7 @@ class Watchdog:
             faults.append(crashed)
         if timeout:
             faults += self._hung_workers(call, pending, detail, known={(f.group, f.rank) for f in faults})
-        for fault in faults:
-            fault.log_tail = log_tail(fault.pid)
-        return WorkerFailure(call, faults, detail)
+        return _with_log_tails(WorkerFailure(call, faults, detail))
 
     def _ping_all(self, timeout_s: float) -> dict[tuple[str, int], str]:
         """``(group, rank) -> "alive" | "dead" | "silent"`` (no answer within ``timeout_s``)."""
@@ -249,6 +247,12 @@ class Watchdog:
         self.in_flight = [r for r in self.in_flight if r.hex() not in done]
 
 
+def _with_log_tails(failure: WorkerFailure) -> WorkerFailure:
+    for fault in failure.faults:
+        fault.log_tail = log_tail(fault.pid)
+    return failure
+
+
 def _crashed_worker(error: BaseException, groups: dict[str, WorkerGroup], call: str) -> WorkerFault | None:
     """The worker whose own code raised ``error`` (a ``RayTaskError``), found by its pid."""
     from ray.exceptions import RayActorError, RayTaskError
@@ -289,7 +293,9 @@ def log_tail(pid: int | None, lines: int = 20) -> list[str]:
     for path in sorted(glob.glob(os.path.join(logs, f"worker-*-{pid}.*"))):
         try:
             with open(path, errors="replace") as f:
-                found += [line.rstrip() for line in f.readlines()[-lines:] if line.strip()]
+                # Ray marks which job and actor a worker serves with lines of its own: not the worker's words
+                found += [line.rstrip() for line in f.readlines()[-lines:]
+                          if line.strip() and not line.startswith((":job_id:", ":actor_name:", ":task_name:"))]
         except OSError:
             continue
     return found[-lines:]
