@@ -189,13 +189,16 @@ class WorkerGroup:
         """End rank ``rank``'s process, whatever state it is in (a stopped process too)."""
         import ray
 
-        ray.kill(self.workers[rank], no_restart=True)
         process = self.processes[rank]
         if process is not None and process.node_id == _this_node():
-            try:  # Ray asks the process to exit first, which a stopped or hung one never does
-                os.kill(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            # its simulator processes first (a stopped one would never exit), then itself: Ray asks
+            # the process to exit first, which a stopped or hung one never does
+            for pid in [*_descendants(process.pid), process.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        ray.kill(self.workers[rank], no_restart=True)
 
     def replace(self, rank: int) -> None:
         """Kill rank ``rank`` and start a new process in its place, built as the first was."""
@@ -224,6 +227,15 @@ def _ray_get(refs: list, what: str) -> list:
     import ray
 
     return ray.get(refs)
+
+
+def _descendants(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _this_node() -> str:
