@@ -181,8 +181,8 @@ class Workers:
         env_refs = self.env.call_async("interact", num_steps, self.channel)
         trajectory_refs = self.rollout.call_async("collect", num_steps, self.channel, iteration)
         # the trajectories stay in the object store (they go to the actor, never via the driver)
-        self.watchdog.get(env_refs + trajectory_refs, "rollout", fetch=False)
-        env_out = self.watchdog.get(env_refs, "rollout")
+        everything = self.watchdog.get(env_refs + trajectory_refs, "rollout", fetch=False, inspect=env_refs)
+        env_out = everything[:len(env_refs)]
         rollout_times = self.rollout.call("last_times")
         times = {
             "rollout_s": time.perf_counter() - t0,

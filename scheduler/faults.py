@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -129,35 +130,47 @@ class Watchdog:
         self.probe_every_s, self.ping_timeout_s = probe_every_s, ping_timeout_s
         self.in_flight: list = []
 
-    def get(self, refs: list, call: str, fetch: bool = True) -> list:
+    def get(self, refs: list, call: str, fetch: bool = True, inspect: list | None = None) -> list:
         """Wait for ``refs`` (all from calls named ``call``) within ``call``'s deadline; returns
-        their values (``fetch=False``: only waits, leaving large results in the object store).
+        their values. ``fetch=False`` only waits, leaving large results in the object store, and
+        fetches just the (small) refs in ``inspect``; each fetched ref is read as soon as it is
+        ready, so one that holds an error ends the wait at once, while its peers still block.
         Raises :class:`WorkerFailure`."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         self.in_flight += refs
         deadline = self.deadlines.of(call)
-        started = time.perf_counter()
+        started = last_probe = time.perf_counter()
+        watched = {r.hex() for r in (refs if fetch else inspect or [])}
+        values: dict[str, object] = {}
         pending = list(refs)
         while pending:
             elapsed = time.perf_counter() - started
             if elapsed > deadline:
                 raise self._failure(call, pending, f"no answer within its deadline of {deadline:.0f} s", timeout=True)
-            wait_s = min(self.probe_every_s, deadline - elapsed)
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s, fetch_local=False)
-            if pending and time.perf_counter() - started >= self.probe_every_s:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(self.probe_every_s, deadline - elapsed),
+                                      fetch_local=False)
+            values.update(self._read(call, [r for r in ready if r.hex() in watched]))
+            if pending and time.perf_counter() - last_probe >= self.probe_every_s:
+                last_probe = time.perf_counter()
                 dead = self._dead_workers(call)
                 if dead:
                     raise _with_log_tails(WorkerFailure(call, dead, "a worker died"))
-        try:
-            # not fetched: an error in them surfaces in the call that reads them (see _crashed_worker)
-            values = ray.get(refs) if fetch else [None] * len(refs)
-        except (RayActorError, RayTaskError, GetTimeoutError) as err:
-            raise self._failure(call, [], _first_line(err), error=err) from None
         self.deadlines.record(call, time.perf_counter() - started)
         self._forget(refs)
-        return values
+        return [values.get(r.hex()) for r in refs]
+
+    def _read(self, call: str, refs: list) -> dict[str, object]:
+        """The values of finished ``refs`` by hex id; an error in one is a :class:`WorkerFailure`."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        if not refs:
+            return {}
+        try:
+            return {r.hex(): value for r, value in zip(refs, ray.get(refs), strict=True)}
+        except (RayActorError, RayTaskError) as err:
+            raise self._failure(call, [], _first_line(err), error=err) from None
 
     # -- diagnosis ----------------------------------------------------------------------
     def _failure(self, call: str, pending: list, detail: str, timeout: bool = False,
@@ -259,12 +272,19 @@ def _crashed_worker(error: BaseException, groups: dict[str, WorkerGroup], call: 
 
     if not isinstance(error, RayTaskError) or isinstance(error, RayActorError):
         return None
+    # an error raised as its cause's type too (RayTaskError(EnvCrashedError)) may lack ``pid``: its text has it
+    pid = getattr(error, "pid", None) or _pid_in(str(error))
     for name, group in groups.items():
         for rank, process in enumerate(group.processes):
-            if process is not None and process.pid == error.pid:
+            if process is not None and process.pid == pid:
                 cause = error.cause if error.cause is not None else error
                 return WorkerFault(name, rank, "crashed", call, _first_line(cause), process.pid, process.node_id)
     return None
+
+
+def _pid_in(text: str) -> int | None:
+    found = re.search(r"\(pid=(\d+)", text)
+    return int(found.group(1)) if found else None
 
 
 def _first_line(err: BaseException) -> str:
