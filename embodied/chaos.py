@@ -40,11 +40,12 @@ class Injection:
 
 def draw_schedule(seed: int, faults: int, iterations: int, targets: tuple[str, ...] = TARGETS[:3],
                   stop_share: float = 0.25, max_delay_s: float = 3.0) -> list[Injection]:
-    """``faults`` injections spread over iterations 2 .. 80% of ``iterations``, cycling through
-    ``targets`` (shuffled per round) so each gets its share; ``stop_share`` of them SIGSTOP."""
+    """``faults`` injections spread over iterations 2 .. 80% of ``iterations`` (distinct ones while
+    there are enough), cycling through ``targets`` (shuffled per round) so each gets its share;
+    ``stop_share`` of them SIGSTOP."""
     rng = random.Random(seed)
-    last = max(2, int(0.8 * iterations))
-    at = sorted(rng.randint(2, last) for _ in range(faults))
+    span = range(2, max(2, int(0.8 * iterations)) + 1)
+    at = sorted(rng.sample(span, faults) if faults <= len(span) else [rng.choice(span) for _ in range(faults)])
     order: list[str] = []
     while len(order) < faults:
         order += rng.sample(list(targets), len(targets))

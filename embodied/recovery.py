@@ -31,7 +31,8 @@ class FaultRecord:
     action: str  # what was done: "replaced", "actor group restored from ckpt_000010.pt", ...
     iterations_lost: int  # completed iterations rolled back (an actor restored from an older checkpoint)
     episodes_failed: int  # episodes in progress on the lost env worker: they end as failed by error
-    recovery_s: float  # from the fault's detection to the run going on
+    recovery: int  # which recovery handled it (one recovery can replace several workers)
+    recovery_s: float  # that recovery's time, from the fault's detection to the run going on
 
 
 class FaultLog:
@@ -61,7 +62,10 @@ class FaultLog:
         return {"faults/total": len(self.records), **{f"faults/{g}": n for g, n in by_group.items()},
                 "faults/iterations_lost": sum(r.iterations_lost for r in self.records),
                 "faults/episodes_failed": sum(r.episodes_failed for r in self.records),
-                "faults/recovery_s": sum(r.recovery_s for r in self.records)}
+                "faults/recovery_s": self.recovery_seconds()}
+
+    def recovery_seconds(self) -> float:
+        return sum({r.recovery: r.recovery_s for r in self.records}.values())
 
     def summary(self) -> dict:
         """The ``faults`` section of ``eval.json``: what died, when, and what was lost."""
@@ -69,5 +73,5 @@ class FaultLog:
                 "by_kind": dict(Counter(r.kind for r in self.records)),
                 "iterations_lost": sum(r.iterations_lost for r in self.records),
                 "episodes_failed": sum(r.episodes_failed for r in self.records),
-                "recovery_s": sum(r.recovery_s for r in self.records),
+                "recovery_s": self.recovery_seconds(),
                 "events": [asdict(r) for r in self.records]}

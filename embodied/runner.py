@@ -488,13 +488,14 @@ class Trainer:
         seconds = time.perf_counter() - started
         envs_each = self.workers.layout.envs_per_worker
         actions = {"actor": action, "channel": "channel renewed"}
+        recovery = len({r.recovery for r in self.faults.records})
         for fault in faults or [WorkerFault("channel", 0, "stalled", failure.call, failure.detail)]:
             self.faults.add(FaultRecord(
                 minute=p.train_seconds / 60, iteration=iteration, call=failure.call, group=fault.group,
                 rank=fault.rank, kind=fault.kind, pid=fault.pid, detail=fault.detail,
                 action=actions.get(fault.group, "replaced"), iterations_lost=lost if fault.group == "actor" else 0,
                 episodes_failed=envs_each if fault.group == "env" and failure.call == "rollout" else 0,
-                recovery_s=seconds))
+                recovery=recovery, recovery_s=seconds))
             if fault.group == "actor":
                 lost = 0  # the group's loss, counted once
         self.log.scalars(self.faults.scalars(), p.env_steps)
