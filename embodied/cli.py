@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from embodied.bench import BENCHES
+from embodied.chaos import TARGETS, ChaosMonkey, compare, draw_schedule, markdown, report
 from embodied.config import CONFIG_DIR, compose, config_groups, to_yaml, unknown_group_option_error, validate
 from envs.common import UserError
 from envs.registry import check_env_config, env_action_dim, seed_scheme
@@ -152,8 +153,6 @@ class ChaosOptions:
     reference: bool
 
     def start(self, trainer):
-        from embodied.chaos import ChaosMonkey, draw_schedule
-
         self.schedule = draw_schedule(self.seed, self.faults, trainer.total_iterations, self.targets)
         monkey = ChaosMonkey(trainer, self.schedule)
         monkey.start()
@@ -162,8 +161,6 @@ class ChaosOptions:
     def finish(self, monkey, run_dir: Path, summary: dict, overrides: list[str]) -> None:
         """Write chaos.json / chaos.md into the run and print the table; with ``reference``, train the
         same config without faults (into ``<run_dir>/reference``) and compare the final evaluations."""
-        from embodied.chaos import compare, markdown, report
-
         result = report(monkey.fired, self.schedule, summary["faults"])
         if self.reference:
             reference_dir = run_dir / "reference"
@@ -179,8 +176,6 @@ class ChaosOptions:
 
 def cmd_chaos(overrides: list[str], faults: int, seed: int, targets: str, reference: bool) -> int:
     """``embodied chaos [overrides]``: train under a seeded schedule of worker kills and stops."""
-    from embodied.chaos import TARGETS
-
     chosen = tuple(t.strip() for t in targets.split(",") if t.strip())
     unknown = [t for t in chosen if t not in TARGETS]
     if unknown or not chosen:
