@@ -21,6 +21,7 @@ class FaultRecord:
     """One worker fault the run survived."""
 
     minute: float  # of training, when it was found
+    detected_at: float  # ... and its unix time
     iteration: int  # iterations completed when it was found
     call: str  # what the runner waited on
     group: str

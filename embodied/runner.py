@@ -467,7 +467,7 @@ class Trainer:
         """Spend a restart (beyond the budget: stop, see :meth:`_stop`), replace the failed
         workers, restore a lost actor from the last checkpoint, and log each fault. Returns a
         failure met on the way, None when the run can go on."""
-        started, p = time.perf_counter(), self.progress
+        started, detected_at, p = time.perf_counter(), time.time(), self.progress
         self.recovering = True
         try:
             try:
@@ -491,8 +491,8 @@ class Trainer:
         recovery = len({r.recovery for r in self.faults.records})
         for fault in faults or [WorkerFault("channel", 0, "stalled", failure.call, failure.detail)]:
             self.faults.add(FaultRecord(
-                minute=p.train_seconds / 60, iteration=iteration, call=failure.call, group=fault.group,
-                rank=fault.rank, kind=fault.kind, pid=fault.pid, detail=fault.detail,
+                minute=p.train_seconds / 60, detected_at=detected_at, iteration=iteration, call=failure.call,
+                group=fault.group, rank=fault.rank, kind=fault.kind, pid=fault.pid, detail=fault.detail,
                 action=actions.get(fault.group, "replaced"), iterations_lost=lost if fault.group == "actor" else 0,
                 episodes_failed=envs_each if fault.group == "env" and failure.call == "rollout" else 0,
                 recovery=recovery, recovery_s=seconds))

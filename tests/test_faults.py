@@ -9,6 +9,7 @@ chaos schedule.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -86,8 +87,10 @@ def test_a_run_survives_a_worker_killed_or_stopped_mid_run(ray_cluster, tmp_path
         assert mine[0]["action"].startswith("actor group restored from ckpt_") and mine[0]["iterations_lost"] <= 2
     else:
         assert mine[0]["action"] == "replaced" and mine[0]["iterations_lost"] == 0
-    if how == "stop":  # found within its deadline (4 s floor, a few s of probing), not the 900 s start-up one
-        assert mine[0]["recovery_s"] < 120
+    if how == "stop":  # found within its deadline (its text says which) plus the pings that tell a hang
+        deadline = float(re.search(r"deadline of (\d+) s", mine[0]["detail"]).group(1))
+        assert deadline < 60  # the call's measured duration set it, not the 900 s start-up deadline
+        assert mine[0]["detected_at"] - monkey.fired[0].unix_time < deadline + 30
     assert report(monkey.fired, [], faults)["detected"] == 1
 
 
