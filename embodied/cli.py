@@ -16,12 +16,13 @@ import os
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from embodied.bench import BENCHES
-from embodied.chaos import TARGETS, ChaosMonkey, compare, draw_schedule, markdown, report
+from embodied.chaos import GROUP_OF, TARGETS, ChaosMonkey, compare, draw_schedule, markdown, report
 from embodied.config import CONFIG_DIR, compose, config_groups, to_yaml, unknown_group_option_error, validate
 from envs.common import UserError
 from envs.registry import check_env_config, env_action_dim, seed_scheme
@@ -154,6 +155,12 @@ class ChaosOptions:
 
     def start(self, trainer):
         self.schedule = draw_schedule(self.seed, self.faults, trainer.total_iterations, self.targets)
+        per_group = Counter(GROUP_OF[i.target] for i in self.schedule)
+        limit = trainer.cfg.runner.max_worker_restarts
+        if max(per_group.values(), default=0) > limit:
+            print(f"note: the schedule restarts a group up to {max(per_group.values())} times "
+                  f"({dict(per_group)}; simulator faults restart env workers), beyond runner.max_worker_restarts="
+                  f"{limit}: the run will stop there unless you raise it", file=sys.stderr)
         monkey = ChaosMonkey(trainer, self.schedule)
         monkey.start()
         return monkey
