@@ -92,6 +92,7 @@ def test_a_run_survives_a_worker_killed_or_stopped_mid_run(ray_cluster, tmp_path
     assert report(monkey.fired, [], faults)["detected"] == 1
 
 
+@pytest.mark.slow  # two runs (the suite's time); the chaos test below covers recovery in the default run
 def test_grpo_redoes_a_broken_iteration_exactly_so_the_run_ends_as_one_without_faults(ray_cluster, tmp_path):
     """GRPO resets every iteration from seeded states and draws the iteration's own rollout noise:
     the iteration a killed env worker broke is redone as it would have run, so the final weights
