@@ -60,6 +60,15 @@ class Worker:
         """Whether this worker is waiting on a peer right now (see ``waiting_on_peers``)."""
         return self.waiting_on_peers
 
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Mark the time inside as waiting on a peer (a channel get)."""
+        self.waiting_on_peers = True
+        try:
+            yield
+        finally:
+            self.waiting_on_peers = False
+
     def offload(self) -> dict:
         return self.device_state.offload().as_dict() if self.device_state is not None else {"bytes_moved": 0}
 

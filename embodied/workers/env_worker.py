@@ -85,11 +85,8 @@ class EnvWorker(Worker):
         for _ in range(num_steps):
             for s, env in enumerate(self.envs):
                 t0 = time.perf_counter()
-                self.waiting_on_peers = True
-                try:
+                with self.waiting():
                     actions = actions_in.next()
-                finally:
-                    self.waiting_on_peers = False
                 t1, start = time.perf_counter(), time.time()
                 result = env.step(actions)
                 step_s += time.perf_counter() - t1

@@ -98,11 +98,8 @@ class RolloutWorker(Worker):
         """Wait for the next micro-batch; the time until the next ``_get`` counts as busy (``infer``)."""
         t0 = time.perf_counter()
         self._end_busy()
-        self.waiting_on_peers = True
-        try:
+        with self.waiting():
             msg = incoming.next()
-        finally:
-            self.waiting_on_peers = False
         self.times["wait_s"] += time.perf_counter() - t0
         self._busy_since = time.time()
         return msg
