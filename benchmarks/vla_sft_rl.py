@@ -10,7 +10,8 @@ same fixed seeds (``eval.seed`` + k, ``--eval-episodes`` episodes):
 
 1. ``embodied sft``: record ``--demos`` motion-planner demos (into ``--out``, not the cache), ``--sft-epochs`` of
    cross-entropy on the action tokens, evaluate greedily: the *before* row;
-2. ``embodied train checkpoint=<sft run>``: PPO (or GRPO, with the override ``algorithm=grpo``)
+2. ``embodied train checkpoint=<sft run>``: PPO (or GRPO, with the override ``algorithm=grpo``,
+   which keeps GRPO's own update: 8 epochs x 16 minibatches)
    from the SFT weights for ``--rl-minutes`` of training, plus a video. With ``--select best``
    it validates every ``--validate-every`` iterations on other seeds and keeps the best weights
    (``runner.final_weights=best``), judged by the policy as RL samples it;
@@ -37,10 +38,19 @@ from embodied.evaluate import paired_gain
 from embodied.run_logger import read_scalars as scalars
 
 ENV = ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.max_episode_steps=100"]
-# PPO for a warm-started policy: a smaller step, returns over a 25-decision episode (chunks of 4)
-RL = ["algorithm.lr=1e-4", "algorithm.gamma=0.9", "algorithm.gae_lambda=0.95", "algorithm.rollout_steps=25",
-      "algorithm.update_epochs=4", "algorithm.num_minibatches=8", "runner.total_env_steps=100000000",
+# RL from a warm start: a smaller step, 25 decisions (chunks of 4) an iteration: one whole episode
+RL = ["algorithm.lr=1e-4", "algorithm.rollout_steps=25", "runner.total_env_steps=100000000",
       "runner.eval_every=0", "eval.video_episodes=1", "runner.progress=false"]
+# PPO only: returns over the 25-decision episode and a lighter update. Not applied under
+# `algorithm=grpo`, whose group keeps its own update (Hydra applies these dotted overrides after
+# any `algorithm=` group, so they would silently replace GRPO's 8 epochs x 16 minibatches)
+PPO = ["algorithm.gamma=0.9", "algorithm.gae_lambda=0.95", "algorithm.update_epochs=4", "algorithm.num_minibatches=8"]
+
+
+def rl_settings(overrides: list[str]) -> list[str]:
+    """The benchmark's RL overrides for the algorithm ``overrides`` choose (PPO unless ``algorithm=...``)."""
+    algorithm = next((o.split("=", 1)[1] for o in overrides if o.startswith("algorithm=")), "ppo")
+    return RL + (PPO if algorithm == "ppo" else [])
 
 
 def run(args: list[str]) -> float:
@@ -133,8 +143,9 @@ def main() -> None:
     select = [] if args.select == "last" else [
         f"runner.eval_every={args.validate_every}", f"runner.validation_episodes={args.validation_episodes}",
         "runner.final_weights=best", "eval.deterministic=false"]
-    rl_s = run(["train", f"checkpoint={sft_dir}", *RL, *select, f"eval.episodes={args.eval_episodes}",
-                f"runner.max_minutes={args.rl_minutes}", f"runner.run_dir={rl_dir}", *args.overrides])
+    rl_s = run(["train", f"checkpoint={sft_dir}", *rl_settings(args.overrides), *select,
+                f"eval.episodes={args.eval_episodes}", f"runner.max_minutes={args.rl_minutes}",
+                f"runner.run_dir={rl_dir}", *args.overrides])
     rl_eval = json.loads((rl_dir / "eval.json").read_text())
     rl_ckpt = rl_dir / "checkpoints" / "best.pt" if rl_eval["evaluated"]["weights"] == "best" else rl_dir
     num_envs = int(OmegaConf.load(rl_dir / "config.yaml").env.num_envs)
