@@ -20,7 +20,6 @@ WARM_START = REPO / "assets" / "policies" / "pushcube_state_mlp.pt"  # pushes th
 # five 20-step episodes per env and iteration: 26 resumed iterations run 2,080 episodes. (10-step
 # episodes are too short: with eval.reconfigure=false they no longer show the leak this test is for)
 EPISODE_STEPS, EPISODES_PER_ITERATION, ENVS = 20, 5, 16
-EPISODES_PER_RESUMED_ITERATION = EPISODES_PER_ITERATION * ENVS
 STEPS_PER_ITERATION = EPISODE_STEPS * EPISODES_PER_ITERATION * ENVS
 
 
@@ -76,7 +75,7 @@ def test_killed_and_resumed_run_evaluates_as_a_fresh_eval_row_for_row(tmp_path, 
     # the env workers that ran the final evaluation had first run every resumed training episode
     per_iteration = dict(tb_scalars(run_dir, "env/episodes"))  # env steps -> episodes ended (resumed run's last)
     episodes = sum(n for step, n in per_iteration.items() if step > killed_at["env_steps"])
-    assert episodes >= resumed_iterations * EPISODES_PER_RESUMED_ITERATION, episodes
+    assert episodes >= resumed_iterations * EPISODES_PER_ITERATION * ENVS, episodes
 
     fresh_dir = tmp_path / "fresh"
     proc = run_cli("eval", f"checkpoint={run_dir}", "env.num_envs=8", "env.num_procs=2",
