@@ -67,6 +67,10 @@ class PolicyConfig:
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen
     chunk_size: int = 1  # VLAs: actions per decision (an action chunk, executed open loop by the env worker)
     unnorm_key: str | None = None  # OpenVLA checkpoints: whose norm_stats un-normalise actions (optional if one)
+    # VLA checkpoints: which statistics map actions (and OFT's proprio) to [-1, 1], upstream's NormalizationType:
+    # bounds_q99 (q01 / q99: OpenVLA; OFT on LIBERO, Bridge) or bounds (min / max: OFT on ALOHA). Checkpoints do
+    # not record it (OFT's constants.py picks it per robot platform); the run log says which was used
+    normalization: str = "bounds_q99"
     backend: str = "hf"  # VLA rollout generation: hf (transformers, KV cache) or vllm (GPU, Qwen-VL only)
     proprio: bool = False  # openvla_oft: feed the env's `state` (proprioception) as one more input token
     cameras: list[str] = field(default_factory=lambda: ["rgb"])  # VLAs: images fed in order (OFT: + wrist_rgb)

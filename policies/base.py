@@ -43,10 +43,12 @@ class Policy(nn.Module):
     critic_modules: tuple[str, ...] = ("critic",)  # the value function's own modules (critic warm-up)
     noise_dim: int  # randomness per sample that act() consumes
 
-    @staticmethod
-    def check_config(cfg, action_dim: int | None) -> None:
+    @classmethod
+    def check_config(cls, cfg, action_dim: int | None) -> list[str]:
         """Raise a UserError for what is wrong with ``cfg`` before any worker starts (a checkpoint's
-        missing files, statistics of another action size); ``action_dim`` is the env's, or None."""
+        missing files, statistics of another action size); ``action_dim`` is the env's, or None.
+        Returns lines for the run log about what was chosen (none by default)."""
+        return []
 
     @staticmethod
     def untrainable_reason(cfg) -> str | None:

@@ -75,9 +75,10 @@ class MLPTokenPolicy(ParallelTokenPolicy):
         self.actor = TOKEN_HEADS.get(cfg.token_head)(cfg, state_dim, self.noise_dim, actions.bin_values())
         self.value_head = mlp([state_dim, *cfg.hidden_sizes, 1], cfg.activation, out_gain=1.0)
 
-    @staticmethod
-    def check_config(cfg, action_dim: int | None) -> None:
+    @classmethod
+    def check_config(cls, cfg, action_dim: int | None) -> list[str]:
         TOKEN_HEADS.get(cfg.token_head)
+        return []
 
     def token_logits(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x = vector_obs(obs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from envs.common import UserError
 from policies.base import POLICIES
+from policies.vla.checkpoint import check_normalization
 
 
 def _import_policies() -> None:
@@ -22,12 +23,14 @@ def check_policy_name(name: str) -> None:
     POLICIES.get(name)
 
 
-def check_policy_config(policy_cfg, action_dim: int | None = None) -> None:
+def check_policy_config(policy_cfg, action_dim: int | None = None) -> list[str]:
     """Raise a UserError for an unknown policy name or a ``model_path`` that holds no model, and
     whatever the policy class's ``check_config(cfg, action_dim)`` finds (files missing from a
     checkpoint, an ``unnorm_key`` it lacks, statistics of another action size), before any worker starts.
-    ``action_dim``: the env's, where known without building it (``envs.registry.env_action_dim``)."""
+    ``action_dim``: the env's, where known without building it (``envs.registry.env_action_dim``).
+    Returns the lines the run log shows about what was chosen (e.g. which statistics normalise actions)."""
     check_policy_name(policy_cfg.name)
+    check_normalization(policy_cfg.normalization)
     if policy_cfg.chunk_size < 1 or (policy_cfg.chunk_size > 1 and not POLICIES.get(policy_cfg.name).chunks):
         raise UserError(f"policy.chunk_size={policy_cfg.chunk_size} is not possible for policy={policy_cfg.name}: "
                         "action chunks (chunk_size > 1) are for VLA policies (openvla, openvla_oft, qwen_vl); "
@@ -36,7 +39,7 @@ def check_policy_config(policy_cfg, action_dim: int | None = None) -> None:
         from policies.vla.policy import require_model_dir
 
         require_model_dir(policy_cfg.model_path, "the model")
-    POLICIES.get(policy_cfg.name).check_config(policy_cfg, action_dim)
+    return POLICIES.get(policy_cfg.name).check_config(policy_cfg, action_dim) or []
 
 
 def make_policy(policy_cfg, obs_spec: dict, action_dim: int):

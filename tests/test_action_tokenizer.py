@@ -30,7 +30,7 @@ def test_round_trip_within_half_a_bin(mode, seed):
     error = (tok.normalize(back) - normalized).abs()
     assert float(error.max()) <= tok.bin_width / 2 + 1e-6
     # in environment units the error scales with each dimension's range
-    half_bin = tok.bin_width / 2 * torch.where(stats.normalize_mask, (stats.q99 - stats.q01) / 2, torch.ones(7))
+    half_bin = tok.bin_width / 2 * torch.where(stats.normalize_mask, (stats.high - stats.low) / 2, torch.ones(7))
     assert bool(((back - actions).abs() <= half_bin + 1e-5).all())
 
 
@@ -74,8 +74,8 @@ def test_decoding_a_text_token_is_an_error():
 def test_stats_from_a_dataset_and_back():
     actions = torch.randn(1000, 4, generator=torch.Generator().manual_seed(0)) * torch.tensor([1.0, 2.0, 3.0, 4.0])
     stats = ActionStats.from_actions(actions)
-    assert bool((stats.q01 < 0).all() and (stats.q99 > 0).all())
-    assert (ActionStats.from_dict(stats.to_dict()).q99 == stats.q99).all()
+    assert bool((stats.low < 0).all() and (stats.high > 0).all())
+    assert (ActionStats.from_dict(stats.to_dict()).high == stats.high).all()
     tok = ActionTokenizer(stats, vocab_size=VOCAB)
     inside = tok.normalize(actions).abs() < 1  # 98% of the data lies strictly inside [-1, 1]
     assert 0.9 < float(inside.all(dim=-1).float().mean()) < 1.0

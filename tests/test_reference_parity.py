@@ -12,7 +12,6 @@ hidden states, un-normalised actions and what is sent to LIBERO after the grippe
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,10 +19,9 @@ import torch
 
 from embodied.config import compose
 from envs.base import encode_instruction
+from tests.reference import ASSETS, load_policy, observation, outputs
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets" / "reference"
 LOGIT_IDS = slice(31488, 32064)  # what the fixtures kept of the vocabulary (text, action and padding ids)
-OBS_SPEC = {"rgb": ((224, 224, 3), np.uint8), "wrist_rgb": ((224, 224, 3), np.uint8), "state": ((8,), np.float32)}
 # the frame each fixture case started from (inputs.npz) and whether the LIBERO mirror applies to it
 RAW_FRAMES = {"libero_eval": (("libero_agentview", "libero_wrist"), True),
               "maniskill": (("maniskill_rgb", "gradient"), False), "gradient": (("gradient", "maniskill_rgb"), False)}
@@ -38,28 +36,6 @@ def offline():
 def inference():
     with torch.no_grad():
         yield
-
-
-def outputs(name: str) -> dict[str, np.ndarray]:
-    return dict(np.load(ASSETS / f"{name}_outputs.npz"))
-
-
-def load_policy(config: str, model: str, *overrides: str):
-    from policies.registry import make_policy
-
-    cfg = compose([f"policy={config}", f"policy.model_path={ASSETS / model}", "policy.dtype=float32",
-                   "policy.lora_rank=0", "policy.unnorm_key=libero_spatial_no_noops", *overrides]).policy
-    return make_policy(cfg, OBS_SPEC, 7).eval()
-
-
-def observation(frames: list[np.ndarray], instruction: str, state: np.ndarray | None = None) -> dict:
-    obs = {"rgb": torch.from_numpy(np.ascontiguousarray(frames[0]))[None],
-           "instruction": torch.from_numpy(encode_instruction(instruction))[None]}
-    if len(frames) > 1:
-        obs["wrist_rgb"] = torch.from_numpy(np.ascontiguousarray(frames[1]))[None]
-    if state is not None:
-        obs["state"] = torch.from_numpy(state.astype(np.float32))[None]
-    return obs
 
 
 # -- OpenVLA -------------------------------------------------------------------------------------------

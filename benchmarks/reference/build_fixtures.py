@@ -33,6 +33,7 @@ import json
 import sys
 import tempfile
 import types
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,60 @@ UNNORM_KEY = "libero_spatial_no_noops"
 OTHER_KEY = "bridge_orig"
 LOGIT_IDS = slice(31488, 32064)  # 256 text ids, the 256 action ids, the 64 padding ids
 STEP = 100  # the training step in OFT's component file names
+# upstream's vision_backbone_id -> timm ids and resolutions (configuration_prismatic.py), for the ids used here
+VISION_BACKBONES = {
+    "dinosiglip-vit-so-224px": (("vit_large_patch14_reg4_dinov2.lvd142m", "vit_so400m_patch14_siglip_224"), (224, 224)),
+    "siglip-vit-so400m": (("vit_so400m_patch14_siglip_224",), (224,)),
+}
+# timm's data config of each ViT id: normalisation mean and std
+BACKBONE_DATA = {"vit_large_patch14_reg4_dinov2.lvd142m": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+                 "vit_so400m_patch14_siglip_224": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one fixture checkpoint is: the defaults are the first three fixtures' (openvla-7b's layout
+    at tiny sizes, LIBERO statistics); the later fixtures change sizes and upstream options."""
+
+    vision_backbone_id: str = "dinosiglip-vit-so-224px"
+    llm_backbone_id: str = "llama2-7b-pure"
+    arch_specifier: str = "no-align+fused-gelu-mlp"
+    image_resize_strategy: str = "resize-naive"
+    timm_overrides: tuple[dict, ...] = tuple(TIMM_OVERRIDES)
+    text_config: dict = field(default_factory=lambda: dict(TEXT_CONFIG))
+    pad_to_multiple_of: int = 64
+    n_action_bins: int = 256
+    unnorm_key: str = UNNORM_KEY
+    action_dim: int = 7
+    action_mask: tuple[bool, ...] | None = (True,) * 6 + (False,)
+    proprio_dim: int = 8
+    proprio_mask: tuple[bool, ...] | None = None
+
+    @property
+    def timm_ids(self) -> tuple[str, ...]:
+        return VISION_BACKBONES[self.vision_backbone_id][0]
+
+    @property
+    def image_sizes(self) -> tuple[int, ...]:
+        return VISION_BACKBONES[self.vision_backbone_id][1]
+
+    @property
+    def fused(self) -> bool:
+        return len(self.timm_ids) > 1
+
+    @property
+    def action_ids(self) -> tuple[int, int]:
+        """``[first, end)``: the last ``n_action_bins`` ids before the vocabulary's padding."""
+        end = self.text_config["vocab_size"] - self.pad_to_multiple_of
+        return end - self.n_action_bins, end
+
+    @property
+    def logit_ids(self) -> slice:
+        """What a fixture keeps of the vocabulary: 256 text ids, the action ids, the padding ids."""
+        return slice(self.action_ids[0] - 256, self.text_config["vocab_size"])
+
+    def tiny_vits(self) -> dict[str, dict]:
+        return dict(zip(self.timm_ids, self.timm_overrides, strict=True))
 
 
 # -- importing upstream code ------------------------------------------------------------------
@@ -78,13 +133,14 @@ def stub_modules(*names: str) -> None:
         sys.modules[name] = module
 
 
-def tiny_timm() -> None:
-    """``timm.create_model`` builds the two public ViT ids at :data:`TIMM_OVERRIDES` sizes."""
+def tiny_timm(overrides: dict[str, dict] | None = None) -> None:
+    """``timm.create_model`` builds the public ViT ids at tiny sizes (default: the two fused ids at
+    :data:`TIMM_OVERRIDES` sizes; ``overrides``: timm id -> keyword arguments)."""
     import timm
 
     real = timm.create_model
-    overrides = dict(zip(["vit_large_patch14_reg4_dinov2.lvd142m", "vit_so400m_patch14_siglip_224"],
-                         TIMM_OVERRIDES, strict=True))
+    overrides = overrides or dict(zip(["vit_large_patch14_reg4_dinov2.lvd142m", "vit_so400m_patch14_siglip_224"],
+                                      TIMM_OVERRIDES, strict=True))
 
     def create_model(name, *args, **kwargs):
         return real(name, *args, **{**kwargs, **overrides.get(name, {})})
@@ -93,9 +149,9 @@ def tiny_timm() -> None:
 
 
 # -- weights, statistics ------------------------------------------------------------------------
-def randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int, action_ids: tuple[int, int] = (31744, 32000)) -> None:
     """Weights with some spread (upstream's init gives near-uniform logits at these sizes), and an
-    lm_head that prefers the 256 action ids, as a trained OpenVLA does."""
+    lm_head that prefers the action ids ``[first, end)``, as a trained OpenVLA does."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -110,14 +166,16 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             else:  # embeddings, position embeddings, cls / register tokens, pooling latents
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
         head = model.language_model.lm_head.weight
-        head[:31744] *= 0.3
-        head[32000:] *= 0.3
-        head[31744:32000] *= 2.0
+        first, end = action_ids
+        head[:first] *= 0.3
+        head[end:] *= 0.3
+        head[first:end] *= 2.0
 
 
-def statistics(seed: int) -> dict:
+def statistics(seed: int, shape: Shape | None = None) -> dict:
     """``dataset_statistics.json``: a LIBERO-like key (7-dim actions, gripper not normalised,
-    8-dim proprio) and a second key, so ``unnorm_key`` must be named."""
+    8-dim proprio; other sizes and masks from ``shape``) and a second key, so ``unnorm_key`` must be named."""
+    shape = shape or Shape()
     rng = np.random.default_rng(seed)
 
     def block(dim: int, mask: list[bool] | None) -> dict:
@@ -126,45 +184,50 @@ def statistics(seed: int) -> dict:
         stats = {"mean": ((low + high) / 2).tolist(), "std": ((high - low) / 4).tolist(),
                  "max": (high * 1.2).tolist(), "min": (low * 1.2).tolist(), "q01": low.tolist(), "q99": high.tolist()}
         if mask is not None:
-            stats["mask"] = mask
+            stats["mask"] = list(mask)
         return stats
 
-    mask = [True] * 6 + [False]
-    return {key: {"action": block(7, mask), "proprio": block(8, None), "num_transitions": 1000,
-                  "num_trajectories": 50} for key in (UNNORM_KEY, OTHER_KEY)}
+    return {key: {"action": block(shape.action_dim, shape.action_mask),
+                  "proprio": block(shape.proprio_dim, shape.proprio_mask), "num_transitions": 1000,
+                  "num_trajectories": 50} for key in (shape.unnorm_key, OTHER_KEY)}
 
 
 # -- checkpoints ----------------------------------------------------------------------------
-def save_checkpoint(hf, out: Path, seed: int):
-    """The model, processor, tokenizer and statistics in openvla-7b's layout; returns the model (fp32)."""
+def save_checkpoint(hf, out: Path, seed: int, shape: Shape | None = None):
+    """The model, processor, tokenizer and statistics in openvla-7b's layout (sizes and options from
+    ``shape``; default: the first three fixtures'); returns the model (fp32)."""
+    shape = shape or Shape()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = save_llama_tokenizer(out)
-    stats = statistics(seed)
-    config = hf.OpenVLAConfig(vision_backbone_id="dinosiglip-vit-so-224px", llm_backbone_id="llama2-7b-pure",
-                              arch_specifier="no-align+fused-gelu-mlp", use_fused_vision_backbone=True,
-                              image_resize_strategy="resize-naive", text_config=TEXT_CONFIG, llm_max_length=2048,
-                              pad_token_id=32000, pad_to_multiple_of=64, norm_stats=stats, n_action_bins=256,
-                              torch_dtype=torch.bfloat16, timm_overrides=TIMM_OVERRIDES)
+    stats = statistics(seed, shape)
+    config = hf.OpenVLAConfig(vision_backbone_id=shape.vision_backbone_id, llm_backbone_id=shape.llm_backbone_id,
+                              arch_specifier=shape.arch_specifier, use_fused_vision_backbone=shape.fused,
+                              image_resize_strategy=shape.image_resize_strategy, text_config=shape.text_config,
+                              llm_max_length=2048, pad_token_id=32000, pad_to_multiple_of=shape.pad_to_multiple_of,
+                              norm_stats=stats, n_action_bins=shape.n_action_bins, torch_dtype=torch.bfloat16,
+                              timm_overrides=list(shape.timm_overrides))
     config.auto_map = AUTO_MAP
     config.architectures = ["OpenVLAForActionPrediction"]
     torch.manual_seed(seed)
     model = hf.OpenVLAForActionPrediction(config)
-    randomize(model, seed)
+    randomize(model, seed, shape.action_ids)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     (out / "dataset_statistics.json").write_text(json.dumps(stats, indent=2))
-    save_image_processor(hf, out)
+    save_image_processor(hf, out, shape)
     return model.float(), tokenizer
 
 
-def save_image_processor(hf, out: Path) -> None:
+def save_image_processor(hf, out: Path, shape: Shape | None = None) -> None:
     """``preprocessor_config.json`` as the HF conversion wrote it: under bf16 default dtype."""
+    shape = shape or Shape()
+    backbones = [BACKBONE_DATA[timm_id] for timm_id in shape.timm_ids]
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         processor = hf.PrismaticImageProcessor(
-            use_fused_vision_backbone=True, image_resize_strategy="resize-naive",
-            input_sizes=[(3, 224, 224), (3, 224, 224)], interpolations=["bicubic", "bicubic"],
-            means=[(0.485, 0.456, 0.406), (0.5, 0.5, 0.5)], stds=[(0.229, 0.224, 0.225), (0.5, 0.5, 0.5)])
+            use_fused_vision_backbone=shape.fused, image_resize_strategy=shape.image_resize_strategy,
+            input_sizes=[(3, size, size) for size in shape.image_sizes], interpolations=["bicubic"] * len(backbones),
+            means=[mean for mean, _ in backbones], stds=[std for _, std in backbones])
     finally:
         torch.set_default_dtype(default)
     processor.auto_map = PROCESSOR_AUTO_MAP
@@ -204,10 +267,11 @@ def eval_image(openvla_utils, libero_utils, upright: np.ndarray, center_crop: bo
 
 
 # -- OpenVLA --------------------------------------------------------------------------------
-def build_openvla(src: Path, out_root: Path) -> None:
+def import_openvla(src: Path, shape: Shape) -> types.SimpleNamespace:
+    """openvla/openvla's model, processor and eval helpers, its ViTs at ``shape``'s tiny sizes."""
     root = upstream_package(src, ["extern/hf"])
     sys.path.insert(0, str(root))
-    tiny_timm()
+    tiny_timm(shape.tiny_vits())
     stub_modules("libero", "libero.libero", "libero.libero.benchmark", "libero.libero.envs")
     sys.modules["libero.libero"].get_libero_path = None
     sys.modules["libero.libero.envs"].OffScreenRenderEnv = None
@@ -217,10 +281,16 @@ def build_openvla(src: Path, out_root: Path) -> None:
     from experiments.robot import openvla_utils, robot_utils
     from experiments.robot.libero import libero_utils
 
-    hf = types.SimpleNamespace(robot_utils=robot_utils, OpenVLAConfig=configuration.OpenVLAConfig,
-                               OpenVLAForActionPrediction=modeling.OpenVLAForActionPrediction,
-                               PrismaticImageProcessor=processing.PrismaticImageProcessor,
-                               PrismaticProcessor=processing.PrismaticProcessor)
+    return types.SimpleNamespace(robot_utils=robot_utils, OpenVLAConfig=configuration.OpenVLAConfig,
+                                 OpenVLAForActionPrediction=modeling.OpenVLAForActionPrediction,
+                                 PrismaticImageProcessor=processing.PrismaticImageProcessor,
+                                 PrismaticProcessor=processing.PrismaticProcessor, utils=openvla_utils,
+                                 libero=libero_utils)
+
+
+def build_openvla(src: Path, out_root: Path) -> None:
+    hf = import_openvla(src, Shape())
+    openvla_utils, libero_utils = hf.utils, hf.libero
     out = out_root / "openvla_tiny"
     save_checkpoint(hf, out, seed=0)
     model, processor = load_upstream(hf, out)
@@ -239,6 +309,51 @@ def build_openvla(src: Path, out_root: Path) -> None:
         results.update({f"{name}/{k}": v for k, v in row.items()})
     np.savez_compressed(out_root / "openvla_tiny_outputs.npz", **results)
     print(f"openvla: {len(cases)} cases -> {out_root / 'openvla_tiny_outputs.npz'}")
+
+
+# the fourth fixture: OpenVLA options the first one does not use
+SINGLE = Shape(
+    vision_backbone_id="siglip-vit-so400m", llm_backbone_id="vicuna-v15-7b", arch_specifier="no-align+gelu-mlp",
+    image_resize_strategy="letterbox", timm_overrides=({"embed_dim": 40, "depth": 4, "num_heads": 2},),
+    text_config={"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "rope_scaling": {"type": "linear", "factor": 2.0}, "vocab_size": 32032,
+                 "pad_token_id": 32000, "torch_dtype": "bfloat16"},
+    pad_to_multiple_of=32, n_action_bins=128, unnorm_key="libero_10_no_noops")
+LONG_INSTRUCTION = ("Pick up the black bowl between the plate and the ramekin, open the top drawer of the wooden "
+                    "cabinet, put the alphabet soup and the tomato sauce in the basket, turn on the stove and put "
+                    "the bowl on it, push the cube to the goal region, then stack the red cube onto the green cube "
+                    "and close the drawers")
+NON_ASCII_INSTRUCTION = "Mets le bol noir sur l'assiette à côté du ramequin — 把碗放在盘子上"
+
+
+def build_openvla_single(src: Path, out_root: Path) -> None:
+    """One SigLIP backbone (``use_fused_vision_backbone: false``, its two-layer projector), letterbox
+    resizing, grouped-query attention, linear RoPE scaling, a vocabulary padded to a multiple of 32,
+    128 action bins, 3 layers; plus prompts of 300 bytes and of non-ASCII text."""
+    assert len(LONG_INSTRUCTION.encode()) == 300
+    hf = import_openvla(src, SINGLE)
+    out = out_root / "openvla_single_tiny"
+    save_checkpoint(hf, out, seed=4, shape=SINGLE)
+    model, processor = load_upstream(hf, out)
+    assert not model.config.use_fused_vision_backbone and processor.image_processor.tvf_do_letterbox
+    inputs = load_inputs(out_root)
+    cases = {
+        "libero_eval": (eval_image(hf.utils, hf.libero, inputs["libero_agentview"], True),
+                        str(inputs["libero_instruction"])),
+        "maniskill": (inputs["maniskill_rgb"], str(inputs["maniskill_instruction"])),
+        "gradient": (inputs["gradient"], "Put The Bowl On The Stove"),  # letterboxed: 30 rows above and below
+        # 180 x 177: one column each side, then 179 -> 224 makes 225 rows, centre-cropped to 224
+        "gradient_odd": (np.ascontiguousarray(inputs["gradient"][:, :177]), "open the middle drawer"),
+        "long_instruction": (inputs["maniskill_rgb"], LONG_INSTRUCTION),
+        "non_ascii": (inputs["gradient"], NON_ASCII_INSTRUCTION),
+    }
+    results = {}
+    for name, (image, instruction) in cases.items():
+        row = openvla_case(model, processor, image, instruction, SINGLE)
+        row["env_action"] = libero_env_action(hf.robot_utils, row["action"])
+        results.update({f"{name}/{k}": v for k, v in row.items()})
+    np.savez_compressed(out_root / "openvla_single_tiny_outputs.npz", **results)
+    print(f"openvla single: {len(cases)} cases -> {out_root / 'openvla_single_tiny_outputs.npz'}")
 
 
 def libero_env_action(robot_utils, action: np.ndarray) -> np.ndarray:
@@ -261,21 +376,23 @@ def center_crop_openvla(openvla_utils, image):
 
 
 @torch.no_grad()
-def openvla_case(model, processor, image: np.ndarray, instruction: str) -> dict:
+def openvla_case(model, processor, image: np.ndarray, instruction: str, shape: Shape | None = None) -> dict:
     """Upstream's ``get_vla_action`` for one frame (fp32), plus the teacher-forced logits."""
     from PIL import Image
 
+    shape = shape or Shape()
+    dims = shape.action_dim
     prompt = f"In: What action should the robot take to {instruction.lower()}?\nOut:"
     batch = processor(prompt, Image.fromarray(image).convert("RGB"))
-    action = model.predict_action(**batch, unnorm_key=UNNORM_KEY, do_sample=False)
+    action = model.predict_action(**batch, unnorm_key=shape.unnorm_key, do_sample=False)
     ids = torch.cat([batch["input_ids"], torch.tensor([[29871]])], dim=1)
     generated = model.generate(ids, pixel_values=batch["pixel_values"], attention_mask=torch.ones_like(ids),
-                               max_new_tokens=7, do_sample=False)[0, ids.shape[1]:]
+                               max_new_tokens=dims, do_sample=False)[0, ids.shape[1]:]
     full = torch.cat([ids, generated[None, :-1]], dim=1)
     logits = model(input_ids=full, pixel_values=batch["pixel_values"], attention_mask=torch.ones_like(full)).logits
     return {"image": image, "instruction": np.array(instruction), "pixel_values": batch["pixel_values"][0].numpy(),
             "input_ids": batch["input_ids"][0].numpy(), "generated_ids": generated.numpy(),
-            "logits": logits[0, -7:, LOGIT_IDS].numpy(), "action": np.asarray(action, dtype=np.float64)}
+            "logits": logits[0, -dims:, shape.logit_ids].numpy(), "action": np.asarray(action, dtype=np.float64)}
 
 
 # -- OpenVLA-OFT ----------------------------------------------------------------------------
@@ -283,8 +400,10 @@ OFT_MODULES = ["extern/hf", "vla/constants.py", "training/train_utils.py", "mode
                "models/projectors.py", "models/film_vit_wrapper.py"]
 
 
-def import_oft(src: Path) -> types.SimpleNamespace:
-    """moojink/openvla-oft's model, heads and eval helpers (LIBERO constants: 8 x 7 chunks, 8-dim proprio)."""
+def import_oft(src: Path, shape: Shape | None = None) -> types.SimpleNamespace:
+    """moojink/openvla-oft's model, heads and eval helpers, with the constants of the platform its
+    ``detect_robot_platform`` reads from the command line (LIBERO: 8 x 7 chunks, 8-dim proprio, q01 / q99;
+    ALOHA: 25 x 14, 14-dim proprio, min / max)."""
     import transformers
 
     assert "transformers-openvla-oft" in transformers.__file__, (
@@ -292,7 +411,7 @@ def import_oft(src: Path) -> types.SimpleNamespace:
         f"got {transformers.__file__}")
     root = upstream_package(src, OFT_MODULES)
     sys.path.insert(0, str(root))
-    tiny_timm()
+    tiny_timm((shape or Shape()).tiny_vits())
     from prismatic.vla.constants import NormalizationType
 
     stub_modules("prismatic.vla.datasets", "prismatic.vla.datasets.rlds", "prismatic.vla.datasets.rlds.utils",
@@ -362,11 +481,73 @@ def build_oft(src: Path, out_root: Path) -> None:
         print(f"oft {variant}: {len(cases)} cases -> {out_root / f'openvla_oft_{variant}_tiny_outputs.npz'}")
 
 
-def load_oft_components(oft, out: Path, hidden: int) -> dict:
+# the L1 fixtures of OFT options the first two do not use; masks leave the grippers un-normalised
+GRIPPER_MASKED = (True,) * 6 + (False,)
+ALOHA = Shape(  # OFT's ALOHA constants: 25 x 14 chunks, 14-dim proprio, min / max bounds; 3 cameras, 1 layer
+    timm_overrides=({"embed_dim": 24, "depth": 3, "num_heads": 2}, {"embed_dim": 32, "depth": 4, "num_heads": 2}),
+    text_config={"hidden_size": 16, "intermediate_size": 40, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "num_key_value_heads": 1, "vocab_size": 32064, "pad_token_id": 32000, "torch_dtype": "bfloat16"},
+    unnorm_key="aloha1_put_x_into_pot_300_demos", action_dim=14, action_mask=GRIPPER_MASKED * 2,
+    proprio_dim=14, proprio_mask=GRIPPER_MASKED * 2)
+PROPRIO_MASK = Shape(  # LIBERO constants (q01 / q99), a proprio mask, one camera, GQA, linear RoPE scaling
+    text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "rope_scaling": {"type": "linear", "factor": 4.0}, "vocab_size": 32064,
+                 "pad_token_id": 32000, "torch_dtype": "bfloat16"},
+    proprio_mask=(True,) * 6 + (False, False))
+
+
+def build_oft_aloha(src: Path, out_root: Path) -> None:
+    """``openvla_oft_aloha_tiny``: run as ``build_fixtures.py oft_aloha``, so OFT's constants are ALOHA's
+    (its ``detect_robot_platform`` looks for "aloha" in the command line)."""
+    oft = import_oft(src, ALOHA)
+    from prismatic.vla.constants import ACTION_PROPRIO_NORMALIZATION_TYPE, NUM_ACTIONS_CHUNK
+
+    assert NUM_ACTIONS_CHUNK == 25 and ACTION_PROPRIO_NORMALIZATION_TYPE == "bounds", "not ALOHA's constants"
+    inputs = load_inputs(out_root)
+    rng = np.random.default_rng(5)
+    cases = {  # ALOHA's prepare_observation resizes every camera to 224 (JPEG + lanczos3) before get_vla_action
+        "aloha_libero_frames": [inputs["libero_agentview"], inputs["libero_wrist"], inputs["maniskill_rgb"]],
+        "aloha_other_frames": [inputs["gradient"], inputs["maniskill_rgb"], inputs["libero_wrist"]],
+    }
+    cases = {name: {"frames": [oft.utils.resize_image_for_policy(f, 224) for f in frames],
+                    "state": rng.uniform(-1.5, 1.5, 14), "instruction": text}
+             for (name, frames), text in zip(cases.items(), ["put the x into the pot", "Fold The Shirt"], strict=True)}
+    build_oft_l1(oft, out_root / "openvla_oft_aloha_tiny", ALOHA, cases, images=3, seed=6)
+
+
+def build_oft_proprio_mask(src: Path, out_root: Path) -> None:
+    """``openvla_oft_proprio_mask_tiny``: LIBERO constants, proprio statistics with a mask, one camera."""
+    oft = import_oft(src, PROPRIO_MASK)
+    cases = oft_cases(oft, load_inputs(out_root))
+    build_oft_l1(oft, out_root / "openvla_oft_proprio_mask_tiny", PROPRIO_MASK, cases, images=1, seed=7)
+
+
+def build_oft_l1(oft, out: Path, shape: Shape, cases: dict, images: int, seed: int) -> None:
+    """An L1-head OFT checkpoint of ``shape`` and upstream's ``get_vla_action`` on ``cases``."""
+    save_checkpoint(oft, out, seed=seed, shape=shape)
+    hidden = shape.text_config["hidden_size"]
+    save_component(oft.L1RegressionActionHead(input_dim=hidden, hidden_dim=hidden, action_dim=shape.action_dim),
+                   out / f"action_head--{STEP}_checkpoint.pt", seed + 10)
+    save_component(oft.ProprioProjector(llm_dim=hidden, proprio_dim=shape.proprio_dim),
+                   out / f"proprio_projector--{STEP}_checkpoint.pt", seed + 20)
+    model, processor = load_upstream(oft, out)
+    heads = load_oft_components(oft, out, hidden, shape)
+    model.vision_backbone.set_num_images_in_input(images)
+    results = {}
+    for name, case in cases.items():
+        row = oft_case(oft, model, processor, heads, case, images, shape.unnorm_key)
+        results.update({f"{name}/{k}": v for k, v in row.items()})
+    path = out.parent / f"{out.name}_outputs.npz"
+    np.savez_compressed(path, **results)
+    print(f"oft {out.name}: {len(cases)} cases -> {path}")
+
+
+def load_oft_components(oft, out: Path, hidden: int, shape: Shape | None = None) -> dict:
     """The action head and proprio projector as OFT's eval loads them (find file, strip ``module.``)."""
-    head = oft.L1RegressionActionHead(input_dim=hidden, hidden_dim=hidden, action_dim=7)
+    shape = shape or Shape()
+    head = oft.L1RegressionActionHead(input_dim=hidden, hidden_dim=hidden, action_dim=shape.action_dim)
     head.load_state_dict(oft.utils.load_component_state_dict(oft.utils.find_checkpoint_file(str(out), "action_head")))
-    proprio = oft.ProprioProjector(llm_dim=hidden, proprio_dim=8)
+    proprio = oft.ProprioProjector(llm_dim=hidden, proprio_dim=shape.proprio_dim)
     proprio.load_state_dict(oft.utils.load_component_state_dict(
         oft.utils.find_checkpoint_file(str(out), "proprio_projector")))
     return {"action_head": head.float().eval(), "proprio_projector": proprio.float().eval()}
@@ -377,26 +558,27 @@ def oft_cases(oft, inputs: dict) -> dict:
     and two frames of other sizes that ``prepare_images_for_vla`` resizes itself."""
     raw = {"agentview_image": np.ascontiguousarray(inputs["libero_agentview"][::-1]),
            "robot0_eye_in_hand_image": np.ascontiguousarray(inputs["libero_wrist"][::-1])}
-    libero = {"full_image": oft.utils.resize_image_for_policy(oft.libero.get_libero_image(raw), 224),
-              "wrist_image": oft.utils.resize_image_for_policy(oft.libero.get_libero_wrist_image(raw), 224),
+    libero = {"frames": [oft.utils.resize_image_for_policy(oft.libero.get_libero_image(raw), 224),
+                         oft.utils.resize_image_for_policy(oft.libero.get_libero_wrist_image(raw), 224)],
               "state": inputs["libero_state"].astype(np.float64), "instruction": str(inputs["libero_instruction"])}
     rng = np.random.default_rng(3)
     return {
         "libero_eval": libero,
-        "maniskill": {"full_image": inputs["maniskill_rgb"], "wrist_image": inputs["gradient"],
+        "maniskill": {"frames": [inputs["maniskill_rgb"], inputs["gradient"]],
                       "state": rng.uniform(-1.5, 1.5, 8), "instruction": str(inputs["maniskill_instruction"])},
-        "gradient": {"full_image": inputs["gradient"], "wrist_image": inputs["maniskill_rgb"],
+        "gradient": {"frames": [inputs["gradient"], inputs["maniskill_rgb"]],
                      "state": rng.uniform(-1.5, 1.5, 8), "instruction": "Put The Bowl On The Stove"},
     }
 
 
 @torch.no_grad()
-def oft_case(oft, model, processor, heads: dict, case: dict, images: int) -> dict:
+def oft_case(oft, model, processor, heads: dict, case: dict, images: int, unnorm_key: str = UNNORM_KEY) -> dict:
     """OFT's ``get_vla_action`` for one observation, step by step in fp32 (upstream casts the
-    inputs to bf16 for its bf16 model; here model and inputs stay fp32)."""
+    inputs to bf16 for its bf16 model; here model and inputs stay fp32). ``case["frames"]``: the
+    full image, then the wrist images in the order ``get_vla_action`` takes them."""
     cfg = types.SimpleNamespace(num_images_in_input=images, center_crop=True, use_proprio=bool(heads),
-                                unnorm_key=UNNORM_KEY)
-    all_images = [case["full_image"], case["wrist_image"]][:images]
+                                unnorm_key=unnorm_key)
+    all_images = case["frames"][:images]
     pil = oft.utils.prepare_images_for_vla(all_images, cfg)
     prompt = f"In: What action should the robot take to {case['instruction'].lower()}?\nOut:"
     batch = processor(prompt, pil[0])
@@ -405,8 +587,8 @@ def oft_case(oft, model, processor, heads: dict, case: dict, images: int) -> dic
                                                                      for im in pil[1:]], dim=1)
     proprio = None
     if heads:
-        proprio = oft.utils.normalize_proprio(case["state"], model.norm_stats[UNNORM_KEY]["proprio"])
-    actions, hidden = model.predict_action(**batch, unnorm_key=UNNORM_KEY, do_sample=False, proprio=proprio,
+        proprio = oft.utils.normalize_proprio(case["state"], model.norm_stats[unnorm_key]["proprio"])
+    actions, hidden = model.predict_action(**batch, unnorm_key=unnorm_key, do_sample=False, proprio=proprio,
                                            **heads)
     row = {"images": np.stack([np.array(p) for p in pil]), "instruction": np.array(case["instruction"]),
            "state": np.asarray(case["state"]), "pixel_values": batch["pixel_values"][0].numpy(),
@@ -494,13 +676,18 @@ def build_simplevla(src: Path, out_root: Path) -> None:
     print(f"simplevla: batch of {len(names)} -> {out_root / 'openvla_oft_token_tiny_simplevla_outputs.npz'}")
 
 
+FAMILIES = {"openvla": build_openvla, "oft": build_oft, "simplevla": build_simplevla,
+            "openvla_single": build_openvla_single, "oft_aloha": build_oft_aloha,
+            "oft_proprio_mask": build_oft_proprio_mask}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("family", choices=["openvla", "oft", "simplevla"])
+    parser.add_argument("family", choices=list(FAMILIES))
     parser.add_argument("--src", type=Path, required=True, help="the upstream repository's snapshot")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    {"openvla": build_openvla, "oft": build_oft, "simplevla": build_simplevla}[args.family](args.src, args.out)
+    FAMILIES[args.family](args.src, args.out)
 
 
 if __name__ == "__main__":

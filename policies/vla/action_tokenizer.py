@@ -1,8 +1,9 @@
 """Continuous actions <-> discrete action tokens (the OpenVLA scheme).
 
 Each action dimension is normalised to [-1, 1] with per-dataset statistics
-(``q01 -> -1``, ``q99 -> +1``, clipped; dimensions outside ``normalize_mask``,
-such as the gripper, are taken as already in [-1, 1]), then cut into ``n_bins``
+(``low -> -1``, ``high -> +1``, clipped: q01 / q99 for OpenVLA, or min / max under OFT's
+"bounds" normalisation; dimensions outside ``normalize_mask``, such as the gripper, are taken
+as already in [-1, 1]), then cut into ``n_bins``
 uniform bins. Bin ``b`` is the token ``action_ids[b]``:
 
 - ``"last_ids"`` (OpenVLA): the last ``n_bins`` ids of the base vocabulary, in
@@ -29,11 +30,12 @@ MODES = ("last_ids", "added")
 
 @dataclass(frozen=True)
 class ActionStats:
-    """Per-dimension statistics of a dataset's actions, ``[A]`` each."""
+    """Per-dimension statistics of a dataset's actions (or proprio), ``[A]`` each: the values that map
+    to -1 and +1 (q01 / q99, or min / max: policies/vla/checkpoint.py ``NORMALIZATIONS``)."""
 
-    q01: torch.Tensor
-    q99: torch.Tensor
-    normalize_mask: torch.Tensor  # bool: which dimensions q01/q99 rescale
+    low: torch.Tensor
+    high: torch.Tensor
+    normalize_mask: torch.Tensor  # bool: which dimensions low / high rescale
 
     @classmethod
     def identity(cls, action_dim: int) -> ActionStats:
@@ -50,19 +52,27 @@ class ActionStats:
         return cls(q[0], q[1], mask & (q[1] - q[0] > 1e-6))
 
     def as_tensor(self) -> torch.Tensor:
-        """``[3, A]``: q01, q99 and the mask (as 0 / 1), the layout a policy keeps in its state dict."""
-        return torch.stack([self.q01.float(), self.q99.float(), self.normalize_mask.float()])
+        """``[3, A]``: low, high and the mask (as 0 / 1), the layout a policy keeps in its state dict."""
+        return torch.stack([self.low.float(), self.high.float(), self.normalize_mask.float()])
 
     @classmethod
     def from_tensor(cls, packed: torch.Tensor) -> ActionStats:
         return cls(packed[0], packed[1], packed[2] > 0.5)
 
-    def to_dict(self) -> dict:
-        return {"q01": self.q01.tolist(), "q99": self.q99.tolist(), "mask": self.normalize_mask.tolist()}
+    def to_dict(self, keys: tuple[str, str] = ("q01", "q99")) -> dict:
+        """A ``dataset_statistics.json`` block, low / high under ``keys`` (the normalisation's fields)."""
+        return {keys[0]: self.low.tolist(), keys[1]: self.high.tolist(), "mask": self.normalize_mask.tolist()}
 
     @classmethod
-    def from_dict(cls, data: dict) -> ActionStats:
-        return cls(torch.tensor(data["q01"]), torch.tensor(data["q99"]), torch.tensor(data["mask"]))
+    def from_dict(cls, data: dict, keys: tuple[str, str] = ("q01", "q99")) -> ActionStats:
+        return cls(torch.tensor(data[keys[0]]), torch.tensor(data[keys[1]]), torch.tensor(data["mask"]))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., D]`` -> ``[-1, 1]``: rescaled where the mask says, as it is elsewhere, then clipped
+        (OpenVLA-OFT's ``normalize_proprio``; the action tokenizer's normalisation)."""
+        low, high = self.low.to(x.device, x.dtype), self.high.to(x.device, x.dtype)
+        scaled = 2 * (x - low) / (high - low + 1e-8) - 1
+        return torch.where(self.normalize_mask.to(x.device), scaled, x).clamp(-1.0, 1.0)
 
 
 class ActionTokenizer:
@@ -87,13 +97,11 @@ class ActionTokenizer:
 
     # -- normalisation -----------------------------------------------------------------
     def normalize(self, actions: torch.Tensor) -> torch.Tensor:
-        s = self.stats
-        scaled = 2 * (actions - s.q01) / (s.q99 - s.q01 + 1e-8) - 1
-        return torch.where(s.normalize_mask, scaled, actions).clamp(-1.0, 1.0)
+        return self.stats.normalize(actions)
 
     def unnormalize(self, normalized: torch.Tensor) -> torch.Tensor:
         s = self.stats
-        scaled = 0.5 * (normalized + 1) * (s.q99 - s.q01 + 1e-8) + s.q01
+        scaled = 0.5 * (normalized + 1) * (s.high - s.low + 1e-8) + s.low
         return torch.where(s.normalize_mask, scaled, normalized)
 
     # -- tokens ------------------------------------------------------------------------

@@ -15,14 +15,19 @@ attention. The hidden states from the last prompt token through placeholder ``T 
   them. It has no probabilities, so it acts for ``eval`` and ``record`` but cannot be trained with RL.
 
 With ``policy.proprio`` the env's ``state`` becomes one more token after the image patches, through
-OFT's ``proprio_projector`` (fc1, GELU, fc2), normalised with the checkpoint's proprio q01 / q99
-when its ``dataset_statistics.json`` has them (as OFT's ``normalize_proprio``).
+OFT's ``proprio_projector`` (fc1, GELU, fc2), normalised as OFT's ``normalize_proprio`` does when
+the checkpoint's ``dataset_statistics.json`` has proprio statistics: the dimensions in their
+``mask`` rescaled by q01 / q99 (or min / max: ``policy.normalization=bounds``, OFT's ALOHA
+constants), the others left as they are, then everything clipped to [-1, 1]. The action chunk
+(``policy.chunk_size`` x the env's action size) and the cameras are the config's: upstream's
+checkpoints do not record them (its ``constants.py`` picks them per robot platform).
 
 Sequence: ``[BOS] + patches (per camera) (+ proprio) + prompt[1:] + T placeholders (+ STOP)``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +36,9 @@ from torch import nn
 from envs.common import UserError
 from policies.base import POLICIES
 from policies.token_actions import ParallelTokenPolicy
-from policies.vla.policy import OpenVLAPolicy, dataset_statistics
+from policies.vla.action_tokenizer import ActionStats
+from policies.vla.checkpoint import NORMALIZATION_NAMES
+from policies.vla.policy import OpenVLACheckpoint, OpenVLAPolicy
 
 STOP_TOKEN_ID = 2  # Llama's </s>: OFT's STOP_INDEX
 LEGACY_PROPRIO_FILE = "proprio_projector.pt"  # what this project saved before
@@ -104,12 +111,93 @@ def load_component(module: nn.Module, path: Path) -> None:
                         "of another size. Copy the component files of the same checkpoint as config.json.") from err
 
 
-def proprio_stats(model_dir: str | None, norm_stats: dict | None, unnorm_key: str | None) -> torch.Tensor | None:
-    """``[2, D]`` q01 / q99 of the checkpoint's proprio statistics (:func:`dataset_statistics`, as
-    OFT's ``vla.norm_stats``), or None: the state is fed as it is."""
-    found = dataset_statistics(model_dir, norm_stats, unnorm_key) if model_dir else None
-    proprio = found[1].get("proprio") if found else None
-    return None if proprio is None else torch.tensor([proprio["q01"], proprio["q99"]], dtype=torch.float64)
+# component files of OFT variants this project does not implement -> what they are (refused up front)
+UNSUPPORTED_COMPONENTS = {
+    "noisy_action_projector": "a diffusion action head (OFT's use_diffusion)",
+    "vision_backbone": "a FiLM-conditioned vision backbone (OFT's use_film)",
+}
+
+
+def component_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter name (``module.`` stripped) -> shape of a component file, without reading its data
+    (memory-mapped: a 7B OFT's action head is ~0.5 GB)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a file in torch's legacy format cannot be mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    return {k.removeprefix("module."): tuple(v.shape) for k, v in state.items()}
+
+
+@dataclass(frozen=True)
+class OFTCheckpoint(OpenVLACheckpoint):
+    """An OFT directory: the OpenVLA files, and OFT's component files and proprio statistics."""
+
+    action_head: Path | None = None  # action_head--*_checkpoint.pt: an L1 head; None: token actions
+    proprio_projector: Path | None = None  # proprio_projector--*_checkpoint.pt (or this project's older name)
+    proprio_stats: ActionStats | None = None  # under policy.normalization; None: the state is fed as it is
+
+    def describe(self) -> str:
+        head = f"L1 action head {self.action_head.name}" if self.action_head else "token actions (LM head)"
+        if self.proprio_stats is None:
+            proprio = "proprio as the env gives it (no proprio statistics)"
+        else:
+            mask = self.proprio_stats.normalize_mask
+            proprio = (f"proprio normalised with {NORMALIZATION_NAMES[self.normalization]} on {int(mask.sum())} of "
+                       f"{len(mask)} dims (the mask leaves the others as they are)")
+        return f"{super().describe()}; {head}; {proprio}"
+
+
+def refuse_unsupported_components(model_dir: str) -> None:
+    """A UserError for component files of an OFT variant this project does not implement."""
+    for name, what in UNSUPPORTED_COMPONENTS.items():
+        found = sorted(Path(model_dir).glob(f"{name}*checkpoint.pt"))
+        if found:
+            raise UserError(f"{found[0]}: this checkpoint uses {what}, which this project does not implement "
+                            "(OpenVLA-OFT's L1-regression and token checkpoints are supported: "
+                            "docs/vla_checkpoints.md). Use an L1 or token OFT checkpoint.")
+
+
+def proprio_projector_file(model_dir: str) -> Path | None:
+    """OFT's ``proprio_projector--*_checkpoint.pt``, else the name this project saved it under before."""
+    legacy = Path(model_dir) / LEGACY_PROPRIO_FILE
+    return component_file(model_dir, "proprio_projector") or (legacy if legacy.exists() else None)
+
+
+def check_action_head(path: Path, hidden: int, action_dim: int | None) -> None:
+    """The L1 head's shapes: ``hidden * A`` in (``layer_norm1``), ``A`` out (``fc2``), ``A`` the env's."""
+    shapes = component_shapes(path)
+    out = shapes.get("model.fc2.weight", (None,))[0]
+    width = shapes.get("model.layer_norm1.weight", (None,))[0]
+    if out is None or width is None:
+        raise UserError(f"{path} is not an OFT L1RegressionActionHead (no model.fc2 / model.layer_norm1; it has "
+                        f"{sorted(shapes)[:6]}). Copy the action head saved with this checkpoint.")
+    if width != hidden * out:
+        raise UserError(f"{path} takes {width} inputs, not this model's hidden size {hidden} x {out} actions: it "
+                        "belongs to a checkpoint of another size. Copy the one saved with config.json.")
+    if action_dim is not None and out != action_dim:
+        raise UserError(f"{path} predicts {out}-dim actions; the env's are {action_dim}-dim. The checkpoint was "
+                        "trained for another robot (OFT's ALOHA checkpoints act in 14 dims, LIBERO's in 7): use an "
+                        "env with its action space, or a checkpoint trained for this env.")
+
+
+def check_proprio_projector(path: Path, hidden: int, stats: ActionStats | None) -> None:
+    """The proprio projector's shapes: ``P`` in (``fc1``), ``hidden`` out; ``P`` the statistics' size."""
+    shapes = component_shapes(path)
+    fc1 = shapes.get("fc1.weight")
+    if fc1 is None or fc1[0] != hidden:
+        raise UserError(f"{path} is not a proprio projector of this model (fc1 {fc1}, hidden size {hidden}). Copy "
+                        "the one saved with config.json.")
+    if stats is not None and len(stats.low) != fc1[1]:
+        raise UserError(f"{path} takes {fc1[1]}-dim proprio, but the proprio statistics are {len(stats.low)}-dim. "
+                        "The component and dataset_statistics.json come from different checkpoints.")
+
+
+def check_proprio_size(saved: OFTCheckpoint, state_dim: int) -> None:
+    """The env's ``state`` must have the size of the checkpoint's proprio statistics."""
+    if saved.proprio_stats is not None and len(saved.proprio_stats.low) != state_dim:
+        raise UserError(f"policy.proprio=true: the env's state is {state_dim}-dim, but {saved.model_dir}'s proprio "
+                        f"statistics are {len(saved.proprio_stats.low)}-dim (OFT's LIBERO checkpoints take 8, its "
+                        "ALOHA ones 14). Use an env whose state matches, or policy.proprio=false.")
 
 
 def bidirectional_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,26 +212,48 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
     """OpenVLA backbone (same checkpoint layout), parallel decoding of ``policy.chunk_size`` actions:
     sampling, log-probs and the value come from :class:`ParallelTokenPolicy` over :meth:`token_logits`."""
 
+    normalizations = ("bounds_q99", "bounds")  # OFT's constants: q01 / q99 (LIBERO, Bridge), min / max (ALOHA)
+
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__(cfg, obs_spec, action_dim)
         self.stop_token = cfg.stop_token
         dtype = next(self.model.parameters()).dtype
         hidden = self.model.config.text_config.hidden_size
-        head = component_file(cfg.model_path, "action_head") if cfg.model_path else None
+        saved: OFTCheckpoint | None = self.checkpoint  # None: a tiny model built here
         self.action_head = None
-        if head is not None:
+        if saved is not None and saved.action_head is not None:
             self.action_head = L1RegressionActionHead(hidden, action_dim).to(dtype)
-            load_component(self.action_head, head)
-        self.proprio_projector, self.proprio_q = None, None
+            load_component(self.action_head, saved.action_head)
+        self.proprio_projector, self.proprio_stats = None, None
         if cfg.proprio:
             if "state" not in obs_spec:
                 raise UserError("policy.proprio=true needs a `state` observation; this env has none "
                                 f"(it has {sorted(obs_spec)}). Set policy.proprio=false.")
-            self.proprio_projector = ProprioProjector(obs_spec["state"][0][0], hidden).to(dtype)
-            saved = self._proprio_file(cfg.model_path)
+            state_dim = obs_spec["state"][0][0]
+            self.proprio_projector = ProprioProjector(state_dim, hidden).to(dtype)
             if saved is not None:
-                load_component(self.proprio_projector, saved)
-            self.proprio_q = proprio_stats(cfg.model_path, self.model.config.norm_stats, cfg.unnorm_key)
+                self.proprio_stats = saved.proprio_stats
+                check_proprio_size(saved, state_dim)
+                if saved.proprio_projector is not None:
+                    load_component(self.proprio_projector, saved.proprio_projector)
+
+    @classmethod
+    def read_checkpoint(cls, cfg, action_dim: int | None) -> OFTCheckpoint:
+        """The OpenVLA files (:meth:`OpenVLAPolicy.read_checkpoint`), then OFT's: the component files
+        (one of each at most, none of a variant not implemented here, each the size of this model)
+        and the proprio statistics under ``policy.normalization``."""
+        base = super().read_checkpoint(cfg, action_dim)
+        refuse_unsupported_components(cfg.model_path)
+        head = component_file(cfg.model_path, "action_head")
+        proprio_file = proprio_projector_file(cfg.model_path)
+        proprio = base.statistics.bounds("proprio", cfg.normalization, cfg.model_path) if base.statistics else None
+        found = OFTCheckpoint(**vars(base), action_head=head, proprio_projector=proprio_file, proprio_stats=proprio)
+        hidden = base.config.text_config.hidden_size
+        if head is not None:
+            check_action_head(head, hidden, action_dim)
+        if proprio_file is not None:
+            check_proprio_projector(proprio_file, hidden, proprio)
+        return found
 
     @staticmethod
     def untrainable_reason(cfg) -> str | None:
@@ -158,19 +268,12 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
                 "LM head (SimpleVLA-RL's Haozhan72/Openvla-oft-SFT-* or RLinf's RLinf/RLinf-OpenVLAOFT-*; "
                 "docs/vla_checkpoints.md).")
 
-    @staticmethod
-    def _proprio_file(model_dir: str | None) -> Path | None:
-        if not model_dir:
-            return None
-        legacy = Path(model_dir) / LEGACY_PROPRIO_FILE
-        return component_file(model_dir, "proprio_projector") or (legacy if legacy.exists() else None)
-
     def _proprio(self, state: torch.Tensor) -> torch.Tensor:
-        """``[B, D]`` -> the projector's input: OFT's ``normalize_proprio`` with the checkpoint's statistics."""
-        if self.proprio_q is None:
+        """``[B, D]`` -> the projector's input: OFT's ``normalize_proprio`` with the checkpoint's
+        statistics (masked dimensions as they are, then all clipped), in float64 as upstream's numpy."""
+        if self.proprio_stats is None:
             return state
-        low, high = self.proprio_q[0].to(state.device), self.proprio_q[1].to(state.device)
-        return (2 * (state.double() - low) / (high - low + 1e-8) - 1).clamp(-1.0, 1.0)
+        return self.proprio_stats.normalize(state.double())
 
     def _forward(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One pass -> ``(logits [B, T, V], hidden [B, T, H], value [B])`` at the positions that

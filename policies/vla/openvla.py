@@ -1,26 +1,36 @@
-"""OpenVLA (Prismatic): fused DINOv2 + SigLIP patch features -> MLP projector -> Llama, built from
-transformers' Llama and our timm-named ViTs (:mod:`policies.vla.vit`).
+"""OpenVLA (Prismatic): fused DINOv2 + SigLIP patch features (or, with ``use_fused_vision_backbone:
+false``, one ViT's) -> MLP projector -> Llama, built from transformers' Llama and our timm-named
+ViTs (:mod:`policies.vla.vit`).
 
 Module and state-dict names are those of the public ``openvla/openvla-7b`` checkpoint
 (``vision_backbone.featurizer.*``, ``vision_backbone.fused_featurizer.*``,
-``projector.fc{1,2,3}``, ``language_model.*``; see docs/vla_checkpoint_layout.md), and
+``projector.fc{1,2,3}`` (single backbone: ``fc{1,2}``), ``language_model.*``; see
+docs/vla_checkpoint_layout.md), and
 the config reads its ``config.json``, so ``OpenVLAForActionPrediction.from_pretrained``
 loads a real checkpoint directory as well as the tiny models the tests save.
 
 Sequence layout: ``[BOS] + projected patches + the rest of the prompt``. Shapes:
 ``pixel_values [B, 6, H, W]`` (DINOv2-normalised image, then SigLIP-normalised
-image, stacked on channels), ``input_ids [B, L]`` -> ``logits [B, 1 + P + L - 1, V]``.
+image, stacked on channels; ``[B, 3, H, W]`` with one backbone), ``input_ids [B, L]`` ->
+``logits [B, 1 + P + L - 1, V]``.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
+from envs.common import UserError
 from policies.vla.vit import TIMM_VITS, VisionTransformer, ViTSpec, timm_spec
 
 PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
+# Prismatic's llm_backbone_id values whose model is a Llama (configuration_prismatic.py); its
+# mistral-* and phi-* backbones have other architectures and tokenizers
+LLAMA_BACKBONES = ("llama2-7b-pure", "llama2-13b-pure", "llama2-7b-chat", "llama2-13b-chat", "vicuna-v15-7b",
+                   "vicuna-v15-13b")
 
 
 class OpenVLAConfig(PretrainedConfig):
@@ -58,6 +68,33 @@ class OpenVLAConfig(PretrainedConfig):
                      for i, size, o in zip(self.timm_model_ids, self.image_sizes, overrides, strict=False)]
         return specs if self.use_fused_vision_backbone else specs[:1]
 
+    def check_supported(self, where: str) -> None:
+        """A UserError for an option of config.json (at ``where``) this model does not implement."""
+        llm = getattr(self, "llm_backbone_id", None)
+        if llm is not None and llm not in LLAMA_BACKBONES:
+            raise UserError(f"{where}: llm_backbone_id={llm!r} is not a Llama; this project builds OpenVLA's "
+                            f"language model as Llama only ({', '.join(LLAMA_BACKBONES)}), as every public OpenVLA "
+                            "and OpenVLA-OFT checkpoint is. A Mistral or Phi Prismatic model is not supported.")
+        if self.text_config.model_type != "llama":
+            raise UserError(f"{where}: text_config.model_type={self.text_config.model_type!r}; only 'llama' is "
+                            "supported (see llm_backbone_id).")
+        acts = [a for a in getattr(self, "timm_override_act_layers", None) or [] if a is not None]
+        if acts:
+            raise UserError(f"{where}: timm_override_act_layers={acts}: the ViTs here use timm's default GELU; "
+                            "a quick-GELU (CLIP) backbone is not supported.")
+        needed = 2 if self.use_fused_vision_backbone else 1
+        if len(self.timm_model_ids) < needed or len(self.timm_model_ids) > 2:
+            raise UserError(f"{where}: use_fused_vision_backbone={self.use_fused_vision_backbone} with "
+                            f"timm_model_ids={self.timm_model_ids}: a fused backbone names two timm ids, a single "
+                            "one names one (upstream allows at most two). The file was edited or is damaged.")
+        for spec in self.vision_specs():
+            if spec.image_size % spec.patch:
+                raise UserError(f"{where}: image_sizes={self.image_sizes} is not a multiple of the ViT's "
+                                f"{spec.patch} px patches. Use the checkpoint's own config.json.")
+        if not 2 <= self.n_action_bins <= self.action_vocab_size:
+            raise UserError(f"{where}: n_action_bins={self.n_action_bins} must be between 2 and the vocabulary's "
+                            f"{self.action_vocab_size} ids. Use the checkpoint's own config.json.")
+
     @property
     def action_vocab_size(self) -> int:
         """The vocabulary whose last ``n_action_bins`` ids are the action tokens: the Llama vocabulary
@@ -88,17 +125,20 @@ class PrismaticVisionBackbone(nn.Module):
 
 
 class PrismaticProjector(nn.Module):
-    """Fused: ``fc1 (vision -> 4 * vision), GELU, fc2 (-> llm), GELU, fc3 (llm -> llm)``."""
+    """Fused: ``fc1 (vision -> 4 * vision), GELU, fc2 (-> llm), GELU, fc3 (llm -> llm)``;
+    single backbone: ``fc1 (vision -> llm), GELU, fc2 (llm -> llm)`` (Prismatic's two MLPs)."""
 
-    def __init__(self, vision_dim: int, llm_dim: int):
+    def __init__(self, vision_dim: int, llm_dim: int, fused: bool = True):
         super().__init__()
-        self.fc1 = nn.Linear(vision_dim, 4 * vision_dim)
-        self.fc2 = nn.Linear(4 * vision_dim, llm_dim)
-        self.fc3 = nn.Linear(llm_dim, llm_dim)
+        width = 4 * vision_dim if fused else llm_dim
+        self.fc1 = nn.Linear(vision_dim, width)
+        self.fc2 = nn.Linear(width, llm_dim)
+        self.fc3 = nn.Linear(llm_dim, llm_dim) if fused else None
         self.act = nn.GELU()
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.act(self.fc2(self.act(self.fc1(patches)))))
+        x = self.fc2(self.act(self.fc1(patches)))
+        return x if self.fc3 is None else self.fc3(self.act(x))
 
 
 class OpenVLAForActionPrediction(PreTrainedModel):
@@ -110,7 +150,8 @@ class OpenVLAForActionPrediction(PreTrainedModel):
     def __init__(self, config: OpenVLAConfig):
         super().__init__(config)
         self.vision_backbone = PrismaticVisionBackbone(config.vision_specs())
-        self.projector = PrismaticProjector(self.vision_backbone.embed_dim, config.text_config.hidden_size)
+        self.projector = PrismaticProjector(self.vision_backbone.embed_dim, config.text_config.hidden_size,
+                                            fused=config.use_fused_vision_backbone)
         self.language_model = LlamaForCausalLM(config.text_config)
         self.post_init()
 
@@ -154,3 +195,16 @@ def tiny_config(vocab_size: int, image_size: int = 64, patch: int = 8, vision_di
                        max_position_embeddings=1024, rms_norm_eps=1e-6)
     return OpenVLAConfig(vit_specs=[vit(True), vit(False)], image_sizes=[image_size, image_size],
                          text_config=text.to_dict(), pad_to_multiple_of=0)  # the vocabulary is not padded
+
+
+def read_config(model_dir: str) -> OpenVLAConfig:
+    """``model_dir``'s config.json as an :class:`OpenVLAConfig`, every option checked
+    (:meth:`OpenVLAConfig.check_supported`); no weights are read."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = OpenVLAConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise UserError(f"{path} does not read as an OpenVLA config ({err}). Copy config.json again from the "
+                        "checkpoint it belongs to.") from err
+    config.check_supported(str(path))
+    return config

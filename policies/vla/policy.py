@@ -23,13 +23,18 @@ from policies.base import POLICIES
 from policies.token_actions import TokenActionPolicy
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.adapters import InputAdapter
-from policies.vla.openvla import PROMPT, OpenVLAForActionPrediction, tiny_config
-from policies.vla.processor import (
-    PREPROCESSOR_FILE,
-    ImageProcessing,
-    byte_tokenizer,
-    tokenize_prompts,
+from policies.vla.checkpoint import (
+    NORMALIZATION_NAMES,
+    NORMALIZATIONS,
+    STATS_FILE,
+    Statistics,
+    action_bounds,
+    check_model_files,
+    check_normalization,
+    dataset_statistics,
 )
+from policies.vla.openvla import PROMPT, OpenVLAConfig, OpenVLAForActionPrediction, read_config, tiny_config
+from policies.vla.processor import ImageProcessing, byte_tokenizer, tokenize_prompts
 
 GENERATION_BACKENDS = ["hf", "vllm"]  # hf: this module's KV-cached decoding; vllm: vllm_backend.py
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -79,7 +84,7 @@ class TokenVLAPolicy(TokenActionPolicy):
         head on ``hidden``-wide states and, with ``policy.lora_rank``, LoRA in ``lora_target``."""
         self._setup_actions(cfg, action_dim, actions)
         self.instruction = cfg.instruction
-        self.model_path, self.unnorm_key = cfg.model_path, cfg.unnorm_key
+        self.model_path, self.unnorm_key, self.normalization = cfg.model_path, cfg.unnorm_key, cfg.normalization
         self.backend, self.generator = cfg.backend, None  # generator: the vLLM engine, once built
         if cfg.backend not in GENERATION_BACKENDS:
             raise unknown_name_error("generation backend (policy.backend)", cfg.backend, GENERATION_BACKENDS)
@@ -149,14 +154,16 @@ class TokenVLAPolicy(TokenActionPolicy):
 
     def save_pretrained(self, path: str | Path) -> None:
         """A model directory that ``policy.model_path`` loads: the model, its tokenizer and, where
-        actions are normalised, their statistics (OpenVLA's ``dataset_statistics.json``)."""
+        actions are normalised, their statistics (OpenVLA's ``dataset_statistics.json``, in the fields
+        of ``policy.normalization``)."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         self.images.save_pretrained(path)
         stats = self.actions.stats
         if bool(stats.normalize_mask.any()):  # [-1, 1] actions need no file
             key = self.unnorm_key or "embodied"
-            (Path(path) / STATS_FILE).write_text(json.dumps({key: {"action": stats.to_dict()}}, indent=1))
+            block = stats.to_dict(NORMALIZATIONS[self.normalization])
+            (Path(path) / STATS_FILE).write_text(json.dumps({key: {"action": block}}, indent=1))
 
 def require_model_dir(path: str, hub_id: str) -> None:
     """A clear error for a ``policy.model_path`` that is not a saved model directory."""
@@ -182,16 +189,23 @@ def quiet_transformers():
         hf_logging.enable_progress_bar()
 
 
-def load_strictly(model_class, model_dir: str, dtype: torch.dtype):
-    """``model_class.from_pretrained`` that fails on any missing, unexpected or misshapen weight
-    (transformers only warns, and a half-loaded VLA acts plausibly but wrongly)."""
+def load_strictly(model_class, model_dir: str, dtype: torch.dtype, config=None):
+    """``model_class.from_pretrained`` (with ``config``, already read and checked, if given) that fails
+    on any missing, unexpected or misshapen weight (transformers only warns, and a half-loaded VLA
+    acts plausibly but wrongly)."""
+    extra = {} if config is None else {"config": config}
     try:
         with quiet_transformers():
-            model, info = model_class.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
-    except (OSError, ValueError, RuntimeError) as err:
+            model, info = model_class.from_pretrained(model_dir, dtype=dtype, output_loading_info=True, **extra)
+    except OSError as err:  # a file transformers could not read: a shard cut short, a missing file
         raise UserError(f"policy.model_path={model_dir} does not load as {model_class.__name__}: {err}. Check that "
                         "the directory is a complete copy of the checkpoint (config.json and every "
                         "*.safetensors shard named in its index).") from err
+    except (ValueError, RuntimeError) as err:  # the files are there but do not fit the model
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise UserError(f"policy.model_path={model_dir}: its weights do not fit the {model_class.__name__} that "
+                        f"its config.json describes ({first}). Check that config.json and the weights come "
+                        "from the same checkpoint.") from err
     problems = {k: v for k, v in info.items() if k != "error_msgs" and v}
     if problems:
         raise UserError(f"policy.model_path={model_dir}: the weights do not match the architecture its config.json "
@@ -224,107 +238,99 @@ def make_value_head(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
-STATS_FILE = "dataset_statistics.json"  # OpenVLA's: {dataset: {"action": {"q01", "q99", "mask"}}}
 EMPTY_PIECE = "\u2581"  # SentencePiece's word boundary on its own: id 29871 in Llama-2's vocabulary
 
 
-def check_model_files(model_dir: str, needs_processor: bool) -> None:
-    """A UserError naming every file a checkpoint directory lacks: the weights (every shard its
-    index names), a tokenizer and, for OpenVLA-style models, ``preprocessor_config.json``."""
-    root = Path(model_dir)
-    missing = []
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing += [s for s in shards if not (root / s).exists()]
-    elif not any((root / f).exists() for f in ("model.safetensors", "pytorch_model.bin")):
-        missing.append("model.safetensors (or model.safetensors.index.json and its shards)")
-    if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
-        missing.append("tokenizer.json or tokenizer.model")
-    if needs_processor and not (root / PREPROCESSOR_FILE).exists():
-        missing.append(f"{PREPROCESSOR_FILE} (the image processor's resize and normalisation)")
-    if missing:
-        raise UserError(f"policy.model_path={model_dir} is missing {', '.join(missing)}. Copy the whole checkpoint "
-                        "directory (`huggingface-cli download <repo> --local-dir <dir>` on a machine with internet "
-                        "fetches every file); nothing is downloaded at run time.")
+@dataclass(frozen=True)
+class OpenVLACheckpoint:
+    """What an OpenVLA-family checkpoint directory says, read and checked; no weights loaded. Built
+    by :meth:`OpenVLAPolicy.read_checkpoint`, both before any worker starts and when the policy builds."""
 
+    model_dir: str
+    config: OpenVLAConfig
+    images: ImageProcessing
+    statistics: Statistics | None
+    action_stats: ActionStats | None  # None while the env's action size is not known
+    normalization: str
 
-def dataset_statistics(model_dir: str, norm_stats: dict | None, unnorm_key: str | None) -> tuple[str, dict] | None:
-    """``(key, statistics)`` of the dataset ``policy.unnorm_key`` names (optional when there is one) in
-    a checkpoint's ``dataset_statistics.json``, else in its config.json ``norm_stats`` (the file wins,
-    as in OpenVLA); None when it has neither. A key it lacks is a UserError."""
-    path = Path(model_dir) / STATS_FILE
-    stats = json.loads(path.read_text()) if path.exists() else norm_stats
-    if not stats:
-        return None
-    if unnorm_key is None and len(stats) == 1:
-        unnorm_key = next(iter(stats))
-    if unnorm_key not in stats:
-        raise UserError(f"policy.unnorm_key={unnorm_key}: {model_dir} has action statistics for {sorted(stats)}. "
-                        f"Set policy.unnorm_key to the dataset whose actions the env takes (e.g. "
-                        f"policy.unnorm_key={sorted(stats)[-1]}).")
-    return unnorm_key, stats[unnorm_key]
-
-
-def checkpoint_action_stats(model_dir: str, norm_stats: dict | None, unnorm_key: str | None,
-                            action_dim: int) -> ActionStats:
-    """The q01 / q99 action statistics a real OpenVLA checkpoint was trained with
-    (:func:`dataset_statistics`); none there: actions in [-1, 1]. Another action size is a UserError."""
-    found = dataset_statistics(model_dir, norm_stats, unnorm_key)
-    if found is None:
-        return ActionStats.identity(action_dim)
-    key, action = found[0], found[1]["action"]
-    if len(action["q01"]) != action_dim:
-        raise UserError(f"policy.unnorm_key={key} of {model_dir} has {len(action['q01'])}-dim actions; the "
-                        f"env's are {action_dim}-dim. This checkpoint was trained for another robot or controller: "
-                        "pick the statistics of a dataset with this env's action space (policy.unnorm_key), an env "
-                        "whose actions match (e.g. env.control_mode), or a checkpoint trained for this env.")
-    mask = action.get("mask", [True] * action_dim)
-    return ActionStats(torch.tensor(action["q01"]), torch.tensor(action["q99"]), torch.tensor(mask, dtype=torch.bool))
+    def describe(self) -> str:
+        """One line for the run log: what was loaded, and which choices the checkpoint left to the config."""
+        specs = self.config.vision_specs()
+        vision = " + ".join(self.config.timm_model_ids[:len(specs)])
+        text = self.config.text_config
+        if self.statistics is None or "action" not in self.statistics.blocks:
+            actions = "actions in [-1, 1] (no statistics)"
+        else:
+            actions = (f"actions un-normalised with {NORMALIZATION_NAMES[self.normalization]} of "
+                       f"{self.statistics.source}[{self.statistics.key}] (policy.normalization={self.normalization})")
+        return (f"{self.model_dir}: vision {vision} at {specs[0].image_size} px, images {self.images.describe()}; "
+                f"Llama {text.num_hidden_layers} layers, {self.config.n_action_bins} action bins; {actions}")
 
 
 @POLICIES.register("openvla")
 class OpenVLAPolicy(TokenVLAPolicy):
-    """OpenVLA: action bins are the last 256 ids of the vocabulary."""
+    """OpenVLA: action bins are the last ``n_action_bins`` ids of the vocabulary before its padding."""
+
+    normalizations = ("bounds_q99",)  # upstream OpenVLA's predict_action un-normalises with q01 / q99 only
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
         require_images(obs_spec, "openvla", cfg.cameras)
         self.cameras = list(cfg.cameras)
+        self.checkpoint = None
         if cfg.model_path:
             from transformers import AutoTokenizer
 
             require_model_dir(cfg.model_path, "openvla/openvla-7b")
-            self.model = load_strictly(OpenVLAForActionPrediction, cfg.model_path, weights_dtype(cfg.dtype))
+            self.checkpoint = self.read_checkpoint(cfg, action_dim)
+            self.model = load_strictly(OpenVLAForActionPrediction, cfg.model_path, weights_dtype(cfg.dtype),
+                                       self.checkpoint.config)
             # trust_remote_code=False: config.json's auto_map names upstream's code, which we never run
             with quiet_transformers():  # it warns that config.json's model_type is not one of its own
                 self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=False)
+            self.images, stats = self.checkpoint.images, self.checkpoint.action_stats
         else:
             self.tokenizer = byte_tokenizer()
             self.model = OpenVLAForActionPrediction(tiny_config(len(self.tokenizer), cfg.image_size))
+            self.images = ImageProcessing.default(cfg.image_size, len(self.model.config.vision_specs()))
+            stats = ActionStats.identity(action_dim)
         self.image_size = self.model.config.image_sizes[0]
-        backbones = len(self.model.config.vision_specs())
-        self.images = (ImageProcessing.from_pretrained(cfg.model_path, self.image_size, backbones) if cfg.model_path
-                       else ImageProcessing.default(self.image_size, backbones))
-        stats = (checkpoint_action_stats(cfg.model_path, self.model.config.norm_stats, cfg.unnorm_key, action_dim)
-                 if cfg.model_path else ActionStats.identity(action_dim))
         actions = ActionTokenizer(stats, n_bins=self.model.config.n_action_bins,
                                   vocab_size=self.model.config.action_vocab_size)
         self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size, self.model.language_model)
         self.empty_piece = self.tokenizer.get_vocab().get(EMPTY_PIECE)
 
-    @staticmethod
-    def check_config(cfg, action_dim: int | None) -> None:
-        """Before any worker starts: the checkpoint's files, its ``unnorm_key`` and action size."""
+    @classmethod
+    def read_checkpoint(cls, cfg, action_dim: int | None) -> OpenVLACheckpoint:
+        """``policy.model_path``'s files read and checked (config.json, the processor, the statistics
+        under ``policy.normalization``); ``action_dim``: the env's, or None while it is not known."""
+        cls.check_normalization(cfg.normalization)
+        check_model_files(cfg.model_path, needs_processor=True)
+        config = read_config(cfg.model_path)
+        backbones = len(config.vision_specs())
+        images = ImageProcessing.from_pretrained(cfg.model_path, config.image_sizes[:backbones], backbones)
+        found = dataset_statistics(cfg.model_path, config.norm_stats, cfg.unnorm_key)
+        actions = action_bounds(found, cfg.model_path, action_dim, cfg.normalization)
+        return OpenVLACheckpoint(cfg.model_path, config, images, found, actions, cfg.normalization)
+
+    @classmethod
+    def check_normalization(cls, name: str) -> None:
+        check_normalization(name)
+        if name not in cls.normalizations:
+            raise UserError(f"policy.normalization={name}: OpenVLA's predict_action un-normalises actions with "
+                            "q01 / q99 only (bounds_q99); min / max bounds are OpenVLA-OFT's (policy=openvla_oft, "
+                            "e.g. its ALOHA checkpoints). Remove the override.")
+
+    @classmethod
+    def check_config(cls, cfg, action_dim: int | None) -> list[str]:
+        """Before any worker starts: the checkpoint's files and every option in them, its
+        ``unnorm_key`` and action size. Returns the line the run log shows about the checkpoint."""
         InputAdapter.from_config(cfg)
         weights_dtype(cfg.dtype)
-        if cfg.model_path:
-            check_model_files(cfg.model_path, needs_processor=True)
-            norm_stats = json.loads((Path(cfg.model_path) / "config.json").read_text()).get("norm_stats")
-            if action_dim is None:  # the env's action size is not known yet: checked when the policy is built
-                dataset_statistics(cfg.model_path, norm_stats, cfg.unnorm_key)
-            else:
-                checkpoint_action_stats(cfg.model_path, norm_stats, cfg.unnorm_key, action_dim)
+        cls.check_normalization(cfg.normalization)
+        if not cfg.model_path:
+            return []
+        return [f"policy={cfg.name} {cls.read_checkpoint(cfg, action_dim).describe()}"]
 
     def _prompt_ids(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt ids and mask ``[B, L]`` (BOS, padding, prompt). OpenVLA was trained on "Out: " then the

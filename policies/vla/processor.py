@@ -1,8 +1,11 @@
 """Observations -> VLA inputs: images resized and normalised per vision backbone, prompts tokenized.
 
 Images follow the checkpoint's own ``preprocessor_config.json`` (OpenVLA's
-``PrismaticImageProcessor``): per backbone, a PIL resize (bicubic for every public
-OpenVLA checkpoint), a centre crop, ``/ 255`` and the normalisation saved there, which for
+``PrismaticImageProcessor``, whose saved ``tvf_*`` fields are what it applies): with the
+``letterbox`` strategy, first a symmetric pad to a square (``tvf_letterbox_fill``); then per
+backbone a PIL resize (to ``(H, W)`` for ``resize-naive``, the shorter side to ``S`` for
+``letterbox`` and ``resize-crop``; bicubic for every public OpenVLA checkpoint), a centre crop,
+``/ 255`` and the normalisation saved there, which for
 openvla-7b and its fine-tunes is DINOv2's ImageNet statistics **rounded to bf16** (the HF
 conversion ran under a bf16 default dtype) and SigLIP's 0.5 / 0.5. The results are stacked on
 channels, as upstream's processor stacks them.
@@ -20,38 +23,47 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from envs.common import UserError
+from policies.vla.checkpoint import PREPROCESSOR_FILE, read_json
 
-PREPROCESSOR_FILE = "preprocessor_config.json"
 # timm's data configs of OpenVLA's two backbones (DINOv2: ImageNet; SigLIP: [0, 1] -> [-1, 1])
 DEFAULT_MEANS = ((0.485, 0.456, 0.406), (0.5, 0.5, 0.5))
 DEFAULT_STDS = ((0.229, 0.224, 0.225), (0.5, 0.5, 0.5))
 PIL_FILTERS = {"nearest": 0, "bilinear": 2, "bicubic": 3, "lanczos": 1}
 
 
+RESIZE_STRATEGIES = ("resize-naive", "letterbox", "resize-crop")  # Prismatic's image_resize_strategy values
+
+
 @dataclass(frozen=True)
 class BackboneTransform:
-    """One backbone's view of an image: resize to ``size`` (H, W) with PIL filter ``resample``,
-    centre crop to ``crop`` (H, W), then ``(x / 255 - mean) / std`` per channel."""
+    """One backbone's view of an image: resize to ``size`` ((H, W), or an int: the shorter side,
+    the longer one scaled to keep the aspect, as ``torchvision``'s ``resize`` computes it) with PIL
+    filter ``resample``, centre crop to ``crop`` (H, W), then ``(x / 255 - mean) / std`` per channel."""
 
-    size: tuple[int, int]
+    size: tuple[int, int] | int
     resample: int
     crop: tuple[int, int]
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
 
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """``(H, W)`` after the resize (torchvision's ``_compute_resized_output_size``)."""
+        if not isinstance(self.size, int):
+            return self.size
+        short, long = (width, height) if width <= height else (height, width)
+        new_short, new_long = self.size, int(self.size * long / short)
+        return (new_long, new_short) if width <= height else (new_short, new_long)
+
     def resized(self, image: Image.Image) -> Image.Image:
-        if image.size != (self.size[1], self.size[0]):
-            image = image.resize((self.size[1], self.size[0]), self.resample)
-        width, height = image.size
-        top, left = int(round((height - self.crop[0]) / 2.0)), int(round((width - self.crop[1]) / 2.0))
-        if (height, width) != self.crop:
-            image = image.crop((left, top, left + self.crop[1], top + self.crop[0]))
-        return image
+        height, width = self.output_size(image.height, image.width)
+        if image.size != (width, height):
+            image = image.resize((width, height), self.resample)
+        return center_crop(image, self.crop)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` float ``[3, H, W]`` in [0, 1] -> normalised (torchvision's ``normalize`` arithmetic)."""
@@ -60,11 +72,37 @@ class BackboneTransform:
         return (x - mean) / std
 
 
+def center_crop(image: Image.Image, crop: tuple[int, int]) -> Image.Image:
+    """torchvision's ``center_crop`` of a PIL image to ``crop`` (H, W): zero padding first where the
+    image is smaller, then the crop whose top-left corner is ``round((size - crop) / 2)``."""
+    width, height = image.size
+    if crop[0] > height or crop[1] > width:
+        pad_w, pad_h = max(crop[1] - width, 0), max(crop[0] - height, 0)
+        image = ImageOps.expand(image, (pad_w // 2, pad_h // 2, (pad_w + 1) // 2, (pad_h + 1) // 2), fill=0)
+        width, height = image.size
+    if (height, width) == crop:
+        return image
+    top, left = int(round((height - crop[0]) / 2.0)), int(round((width - crop[1]) / 2.0))
+    return image.crop((left, top, left + crop[1], top + crop[0]))
+
+
+def letterbox(image: Image.Image, fill: tuple[int, int, int]) -> Image.Image:
+    """Prismatic's ``letterbox_pad_transform``: pad to square with ``fill``, ``int((max - side) / 2)``
+    on each side (so an odd difference leaves the image one pixel short of square, as upstream's does)."""
+    width, height = image.size
+    side = max(width, height)
+    horizontal, vertical = int((side - width) / 2), int((side - height) / 2)
+    return ImageOps.expand(image, (horizontal, vertical, horizontal, vertical), fill=tuple(fill))
+
+
 @dataclass(frozen=True)
 class ImageProcessing:
-    """A Prismatic image processor: one :class:`BackboneTransform` per vision backbone."""
+    """A Prismatic image processor: an optional letterbox pad, then one :class:`BackboneTransform`
+    per vision backbone."""
 
     transforms: tuple[BackboneTransform, ...]
+    strategy: str = "resize-naive"  # image_resize_strategy, as the file names it (for the run log)
+    letterbox_fill: tuple[int, int, int] | None = None  # pad to square with this colour first
 
     @classmethod
     def default(cls, size: int, backbones: int = 2) -> ImageProcessing:
@@ -74,17 +112,19 @@ class ImageProcessing:
                                            DEFAULT_STDS[i]) for i in range(backbones)))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, size: int, backbones: int = 2) -> ImageProcessing:
+    def from_pretrained(cls, model_dir: str | Path, sizes: list[int], backbones: int = 2) -> ImageProcessing:
         """The ``tvf_*`` parameters of ``model_dir``'s preprocessor_config.json (what upstream's
-        processor applies); the default when the directory has none."""
+        processor applies); the default when the directory has none. ``sizes``: each backbone's
+        input size (config.json ``image_sizes``), which its crop must give."""
         path = Path(model_dir) / PREPROCESSOR_FILE
         if not path.exists():
-            return cls.default(size, backbones)
-        saved = json.loads(path.read_text())
+            return cls.default(sizes[0], backbones)
+        saved = read_json(path)
         strategy = saved.get("image_resize_strategy", "resize-naive")
-        if strategy != "resize-naive" or saved.get("tvf_do_letterbox"):
-            raise UserError(f"{path}: image_resize_strategy={strategy!r} is not supported (every public OpenVLA "
-                            "checkpoint uses 'resize-naive'). Re-save the processor with resize-naive.")
+        if strategy not in RESIZE_STRATEGIES:
+            raise UserError(f"{path}: image_resize_strategy={strategy!r} is not one of Prismatic's "
+                            f"{list(RESIZE_STRATEGIES)} (upstream's processor raises on it too). Copy the file "
+                            "from the checkpoint it belongs to.")
         try:
             transforms = tuple(_transform_from_saved(r, c, n) for r, c, n in zip(
                 saved["tvf_resize_params"], saved["tvf_crop_params"], saved["tvf_normalize_params"], strict=True))
@@ -95,24 +135,40 @@ class ImageProcessing:
                             "fine-tuned.") from err
         if len(transforms) != backbones:
             raise UserError(f"{path} has {len(transforms)} backbone transforms; the model has {backbones} vision "
-                            "backbones. The file belongs to another checkpoint.")
-        return cls(transforms)
+                            "backbones (config.json use_fused_vision_backbone). The file belongs to another "
+                            "checkpoint: copy the one saved with config.json.")
+        for t, size in zip(transforms, sizes, strict=False):
+            if t.crop != (size, size):
+                raise UserError(f"{path}: tvf_crop_params gives {t.crop[0]} x {t.crop[1]} images, but config.json "
+                                f"image_sizes says the vision backbone takes {size} x {size}. The two files belong "
+                                "to different checkpoints: copy both from one.")
+        return cls(transforms, strategy, _letterbox_fill(saved, path))
+
+    def describe(self) -> str:
+        """For the run log: ``letterbox (fill 127,127,127), bicubic to 224 px`` or the like."""
+        inverse = {v: k for k, v in PIL_FILTERS.items()}
+        fill = f" (fill {','.join(map(str, self.letterbox_fill))})" if self.letterbox_fill else ""
+        sizes = sorted({t.crop[0] for t in self.transforms})
+        return (f"{self.strategy}{fill}, {inverse.get(self.transforms[0].resample, self.transforms[0].resample)} "
+                f"to {'/'.join(map(str, sizes))} px")
 
     def save_pretrained(self, model_dir: str | Path) -> None:
         """Write the ``tvf_*`` fields upstream's processor reads and writes."""
         inverse = {v: k for k, v in PIL_FILTERS.items()}
         fields = {
             "image_processor_type": "PrismaticImageProcessor", "processor_class": "PrismaticProcessor",
-            "image_resize_strategy": "resize-naive", "use_fused_vision_backbone": len(self.transforms) > 1,
+            "image_resize_strategy": self.strategy, "use_fused_vision_backbone": len(self.transforms) > 1,
             "input_sizes": [[3, *t.crop] for t in self.transforms],
             "interpolations": [inverse[t.resample] for t in self.transforms],
             "means": [list(t.mean) for t in self.transforms], "stds": [list(t.std) for t in self.transforms],
-            "tvf_resize_params": [{"size": list(t.size), "interpolation": t.resample, "max_size": None,
-                                   "antialias": True} for t in self.transforms],
+            "tvf_resize_params": [{"size": t.size if isinstance(t.size, int) else list(t.size),
+                                   "interpolation": t.resample, "max_size": None, "antialias": True}
+                                  for t in self.transforms],
             "tvf_crop_params": [{"output_size": list(t.crop)} for t in self.transforms],
             "tvf_normalize_params": [{"mean": list(t.mean), "std": list(t.std), "inplace": False}
                                      for t in self.transforms],
-            "tvf_do_letterbox": False, "tvf_letterbox_fill": None,
+            "tvf_do_letterbox": self.letterbox_fill is not None,
+            "tvf_letterbox_fill": list(self.letterbox_fill) if self.letterbox_fill else None,
         }
         (Path(model_dir) / PREPROCESSOR_FILE).write_text(json.dumps(fields, indent=2))
 
@@ -123,6 +179,8 @@ class ImageProcessing:
         return torch.stack(rows).to(rgb.device)
 
     def _one(self, image: Image.Image) -> torch.Tensor:
+        if self.letterbox_fill is not None:
+            image = letterbox(image, self.letterbox_fill)
         views, cache = [], {}
         for t in self.transforms:
             key = (t.size, t.resample, t.crop)
@@ -133,9 +191,24 @@ class ImageProcessing:
         return torch.cat(views, dim=0)
 
 
+def _letterbox_fill(saved: dict, path: Path) -> tuple[int, int, int] | None:
+    """The pad colour when the processor letterboxes (its saved ``tvf_do_letterbox``), else None."""
+    if not saved.get("tvf_do_letterbox"):
+        return None
+    fill = saved.get("tvf_letterbox_fill")
+    if not (isinstance(fill, list) and len(fill) == 3 and all(isinstance(v, int) for v in fill)):
+        raise UserError(f"{path}: tvf_do_letterbox is true but tvf_letterbox_fill={fill!r} is not three integers "
+                        "(upstream saves a backbone's normalisation mean * 255, e.g. [127, 127, 127]). Copy the file "
+                        "from the checkpoint it belongs to.")
+    return tuple(fill)
+
+
 def _transform_from_saved(resize: dict, crop: dict, normalize: dict) -> BackboneTransform:
+    """One backbone's ``tvf_*`` entries; a one-element size list is torchvision's shorter-side int."""
     size = resize["size"]
-    size = (size, size) if isinstance(size, int) else tuple(size)
+    if isinstance(size, list) and len(size) == 1:
+        size = size[0]
+    size = size if isinstance(size, int) else tuple(size)
     crop_size = crop["output_size"]
     crop_size = (crop_size, crop_size) if isinstance(crop_size, int) else tuple(crop_size)
     return BackboneTransform(size, int(resize["interpolation"]), crop_size, tuple(normalize["mean"]),

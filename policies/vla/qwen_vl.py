@@ -21,10 +21,10 @@ from transformers.image_utils import SizeDict
 
 from policies.base import POLICIES
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
+from policies.vla.checkpoint import checkpoint_action_stats
 from policies.vla.policy import (
     DecodeState,
     TokenVLAPolicy,
-    checkpoint_action_stats,
     instructions_of,
     require_images,
     require_model_dir,
@@ -100,7 +100,7 @@ class QwenVLPolicy(TokenVLAPolicy):
             self.model.resize_token_embeddings(len(self.tokenizer))
         first = self.tokenizer.convert_tokens_to_ids(action_token(0))
         stats = (checkpoint_action_stats(cfg.model_path, getattr(self.model.config, "norm_stats", None),
-                                         cfg.unnorm_key, action_dim)
+                                         cfg.unnorm_key, action_dim, cfg.normalization)
                  if cfg.model_path else ActionStats.identity(action_dim))
         actions = ActionTokenizer(stats, mode="added", first_id=first)
         self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size,

@@ -37,12 +37,21 @@ class ViTSpec:
     attn_pool: bool = False  # SigLIP's "map" head: in the checkpoint, never run
 
 
-TIMM_VITS = {
+SIGLIP_SO400M = ViTSpec(1152, 27, 16, 4304, attn_pool=True)
+TIMM_VITS = {  # Prismatic's DINOv2 and SigLIP backbones, alone (dinov2-vit-l, siglip-*) or fused (dinosiglip-*)
     "vit_large_patch14_reg4_dinov2.lvd142m": ViTSpec(1024, 24, 16, 4096, class_token=True, reg_tokens=4,
                                                       layer_scale=True),
-    "vit_so400m_patch14_siglip_224": ViTSpec(1152, 27, 16, 4304, attn_pool=True),
+    "vit_so400m_patch14_siglip_224": SIGLIP_SO400M,
+    "vit_so400m_patch14_siglip_384": replace(SIGLIP_SO400M, image_size=384),
 }
-MLP_RATIOS = {"vit_large_patch14_reg4_dinov2.lvd142m": 4.0, "vit_so400m_patch14_siglip_224": 3.7362}
+MLP_RATIOS = {"vit_large_patch14_reg4_dinov2.lvd142m": 4.0, "vit_so400m_patch14_siglip_224": 3.7362,
+              "vit_so400m_patch14_siglip_384": 3.7362}
+# Prismatic's other timm ids: named, so that a checkpoint built on one is refused with the reason
+UNSUPPORTED_VITS = {
+    "vit_large_patch14_clip_224.openai": "a CLIP ViT (pre-norm, quick-GELU, a class token with its own position)",
+    "vit_large_patch14_clip_336.openai": "a CLIP ViT (pre-norm, quick-GELU, a class token with its own position)",
+    "vit_large_patch16_224.augreg_in21k_ft_in1k": "an ImageNet ViT (a class token with its own position)",
+}
 # timm keyword arguments a checkpoint may override (``timm_overrides`` in config.json) -> ViTSpec fields
 TIMM_KWARGS = {"embed_dim": "dim", "depth": "depth", "num_heads": "heads"}
 
@@ -50,12 +59,17 @@ TIMM_KWARGS = {"embed_dim": "dim", "depth": "depth", "num_heads": "heads"}
 def timm_spec(timm_id: str, image_size: int, overrides: dict | None = None) -> ViTSpec:
     """The ViT that ``timm.create_model(timm_id, img_size=image_size, **overrides)`` builds (the MLP
     width follows timm: ``int(embed_dim * mlp_ratio)``)."""
+    if timm_id in UNSUPPORTED_VITS:
+        raise UserError(f"config.json timm_model_ids: {timm_id} is {UNSUPPORTED_VITS[timm_id]}, which this "
+                        f"project does not implement (Prismatic's clip-* / dinoclip-* / in1k-* vision backbones). "
+                        f"Supported: {', '.join(TIMM_VITS)} (every public OpenVLA and OpenVLA-OFT checkpoint).")
     if timm_id not in TIMM_VITS:
         raise unknown_name_error("timm vision backbone (config.json timm_model_ids)", timm_id, list(TIMM_VITS))
     unknown = sorted(set(overrides or {}) - set(TIMM_KWARGS))
     if unknown:
-        raise UserError(f"config.json timm_overrides for {timm_id} sets {unknown}; only {sorted(TIMM_KWARGS)} "
-                        "are understood. Remove the other keys.")
+        raise UserError(f"config.json timm_overrides for {timm_id} sets {unknown}: only {sorted(TIMM_KWARGS)} "
+                        "are understood (the sizes of a ViT built smaller than the timm id's). Remove the other "
+                        "keys, or the whole timm_overrides field for a full-size checkpoint.")
     fields = {TIMM_KWARGS[k]: v for k, v in (overrides or {}).items()}
     spec = replace(TIMM_VITS[timm_id], image_size=image_size, **fields)
     return replace(spec, mlp_dim=int(spec.dim * MLP_RATIOS[timm_id]))
