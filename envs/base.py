@@ -7,7 +7,10 @@ on ``VecEnv.device``.
 ``step(actions[B, A])`` -> :class:`StepResult`
 
 Observations are a dict of tensors, e.g. ``{"state": float32[B, D]}`` or
-``{"rgb": uint8[B, H, W, 3], "state": float32[B, D]}``.
+``{"rgb": uint8[B, H, W, 3], "state": float32[B, D]}``. A language instruction travels as
+``instruction``: uint8 ``[B, L]``, UTF-8 bytes zero-padded to the env's width ``L`` (a multiple of
+64, at least 128, wide enough for every instruction the env can show: :func:`instruction_width`);
+:func:`decode_instruction` reads a row back.
 
 Environments auto-reset: when env ``i`` finishes an episode (terminated or
 truncated), ``obs[i]`` is already the first observation of its next episode, the
@@ -18,6 +21,7 @@ finished episode's statistics are in ``info["episode"]`` (rows valid where
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -27,19 +31,46 @@ import torch
 from envs.seeds import AutoResets
 
 Obs = dict[str, torch.Tensor]
-INSTRUCTION_BYTES = 128  # room for a task's language instruction (LIBERO's longest has 87)
+# The instruction field is the env's widest instruction rounded up, never narrower than
+# INSTRUCTION_BYTES: every published suite fits that (LIBERO's longest has 88 bytes), so their
+# observations, recorded demos and fixtures keep the width 128 they always had.
+INSTRUCTION_BYTES = 128
+INSTRUCTION_ALIGN = 64  # widths grow in steps of this, so similar instruction sets share a shape
 
 
-def encode_instruction(text: str) -> np.ndarray:
-    """A language instruction as an observation: UTF-8 bytes, zero-padded, uint8 ``[INSTRUCTION_BYTES]``."""
-    data = text.encode()[:INSTRUCTION_BYTES]
-    out = np.zeros(INSTRUCTION_BYTES, dtype=np.uint8)
+def instruction_width(texts: Iterable[str]) -> int:
+    """The field width (bytes) that holds every one of ``texts``: the longest UTF-8 encoding
+    rounded up to a multiple of ``INSTRUCTION_ALIGN``, at least ``INSTRUCTION_BYTES``."""
+    longest = max((len(text.encode()) for text in texts), default=0)
+    return max(INSTRUCTION_BYTES, -(-longest // INSTRUCTION_ALIGN) * INSTRUCTION_ALIGN)
+
+
+def encode_instruction(text: str, width: int | None = None) -> np.ndarray:
+    """A language instruction as an observation: its UTF-8 bytes, zero-padded, uint8 ``[width]``.
+    ``width`` None: just wide enough for ``text`` (:func:`instruction_width`). An env passes the
+    width of all the instructions it can show, so its observations keep one shape. A text that
+    does not fit raises: a cut instruction would be a different prompt."""
+    data = text.encode()
+    if b"\0" in data:  # zero bytes are the padding: the text would not come back whole
+        raise ValueError(f"instruction {text!r} contains a NUL character")
+    width = instruction_width([text]) if width is None else width
+    if len(data) > width:
+        raise ValueError(f"instruction of {len(data)} UTF-8 bytes does not fit an instruction field of "
+                         f"{width} bytes: {text!r}")
+    out = np.zeros(width, dtype=np.uint8)
     out[:len(data)] = np.frombuffer(data, dtype=np.uint8)
     return out
 
 
+def encode_instructions(texts: Sequence[str]) -> np.ndarray:
+    """Several instructions as rows of one width (:func:`instruction_width` of all of them):
+    uint8 ``[len(texts), width]``."""
+    width = instruction_width(texts)
+    return np.stack([encode_instruction(text, width) for text in texts])
+
+
 def decode_instruction(row) -> str:
-    """``obs["instruction"][i]`` (numpy or torch uint8 ``[INSTRUCTION_BYTES]``) -> the text."""
+    """``obs["instruction"][i]`` (numpy or torch uint8 ``[width]``) -> the text (strict UTF-8)."""
     data = bytes(np.asarray(row, dtype=np.uint8).tolist())
     return data.rstrip(b"\0").decode()
 

@@ -11,7 +11,9 @@ Observations: ``rgb`` (agentview, upright) and ``wrist_rgb`` (eye in hand, uprig
 uint8 ``[H, W, 3]``, unless ``obs_mode=state`` (no cameras, no rendering); ``state``
 (end-effector position, axis-angle orientation, gripper joint positions: 8 floats);
 ``task`` (one-hot float32 ``[num_tasks]``) and ``instruction`` (the task's language
-instruction, UTF-8, zero-padded: uint8 ``[INSTRUCTION_BYTES]``; :func:`envs.base.decode_instruction`).
+instruction, UTF-8, zero-padded to one width for the whole suite: uint8 ``[L]``, ``L`` =
+:func:`envs.base.instruction_width` of the suite's instructions, 128 for every published suite;
+:func:`envs.base.decode_instruction`).
 Actions: 7 floats, delta end-effector pose (OSC_POSE) and gripper, in [-1, 1].
 Success is the task's own BDDL goal predicate. The evaluation protocol is
 docs/libero_protocol.md.
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from envs.base import encode_instruction
+from envs.base import encode_instructions
 from envs.common import UserError, unknown_name_error
 from envs.registry import SeedScheme, register_env
 from envs.subproc import SubprocVecEnv
@@ -120,6 +122,9 @@ class LiberoEnv:
         _configure_paths()
         self.spec = spec
         self.tasks = suite_tasks(spec.suite)
+        # one width for the whole suite: obs_spec comes from the first reset, and every env of
+        # the suite (whatever task it is on) writes its rows into buffers of that shape
+        self.instructions = encode_instructions([task.instruction for task in self.tasks])
         self.max_episode_steps = spec.max_episode_steps
         self.action_dim = 7
         self.env = None
@@ -142,7 +147,7 @@ class LiberoEnv:
             _fast_rendering(self.env.sim, size)
         self.task_index = task_index
         self.task_one_hot = np.eye(len(self.tasks), dtype=np.float32)[task_index]
-        self.instruction = encode_instruction(self.tasks[task_index].instruction)
+        self.instruction = self.instructions[task_index]
 
     def _obs(self, raw: dict) -> dict[str, np.ndarray]:
         obs = {}

@@ -94,11 +94,13 @@ def make_gym_env(spec: ManiSkillSpec, num_envs: int, sim_backend: str):
 
 
 class WithInstruction(gym.ObservationWrapper):
-    """Adds ``instruction``: the task's instruction, uint8 ``[num_envs, INSTRUCTION_BYTES]``."""
+    """Adds ``instruction``: the task's one instruction, uint8 ``[num_envs, L]`` (UTF-8, zero-padded;
+    ``L`` = :func:`envs.base.instruction_width` of it: 128 unless it is longer)."""
 
     def __init__(self, env, text: str, num_envs: int):
         super().__init__(env)
-        self.instruction = torch.from_numpy(encode_instruction(text)).expand(num_envs, -1).contiguous()
+        row = encode_instruction(text)  # just wide enough: the env shows no other instruction
+        self.instruction = torch.from_numpy(row).expand(num_envs, -1).contiguous()
 
     def observation(self, observation):
         return {**observation, "instruction": self.instruction.to(observation["rgb"].device)}

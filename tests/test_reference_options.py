@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.reference import ASSETS, inputs, load_policy, observation, outputs
+from tests.reference import inputs, load_policy, observation, outputs
 
 SINGLE_CASES = ["libero_eval", "maniskill", "gradient", "gradient_odd", "long_instruction", "non_ascii"]
 SINGLE_LOGIT_IDS = slice(31616, 32032)  # 256 text ids, the 128 action ids, the 32 padding ids

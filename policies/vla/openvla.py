@@ -87,7 +87,11 @@ class OpenVLAConfig(PretrainedConfig):
             raise UserError(f"{where}: use_fused_vision_backbone={self.use_fused_vision_backbone} with "
                             f"timm_model_ids={self.timm_model_ids}: a fused backbone names two timm ids, a single "
                             "one names one (upstream allows at most two). The file was edited or is damaged.")
-        for spec in self.vision_specs():
+        try:
+            specs = self.vision_specs()
+        except UserError as err:  # the timm ids and overrides: say which file they are in
+            raise UserError(f"{where}: {err}") from None
+        for spec in specs:
             if spec.image_size % spec.patch:
                 raise UserError(f"{where}: image_sizes={self.image_sizes} is not a multiple of the ViT's "
                                 f"{spec.patch} px patches. Use the checkpoint's own config.json.")

@@ -5,7 +5,8 @@ seeded noise, log-probs, decoding to env actions) is ``policies/token_actions.py
 adds the language backbone: prompts, KV-cached decoding, LoRA, vLLM and model directories.
 
 Observations: ``rgb`` uint8 ``[B, H, W, 3]``, ``state`` (proprioception, OFT) and, where the env
-has one, ``instruction`` uint8 ``[B, 128]`` (else ``policy.instruction``).
+has one, ``instruction`` uint8 ``[B, L]`` (UTF-8, zero-padded: ``envs.base.instruction_width``; else
+``policy.instruction``).
 """
 
 from __future__ import annotations

@@ -60,14 +60,14 @@ def timm_spec(timm_id: str, image_size: int, overrides: dict | None = None) -> V
     """The ViT that ``timm.create_model(timm_id, img_size=image_size, **overrides)`` builds (the MLP
     width follows timm: ``int(embed_dim * mlp_ratio)``)."""
     if timm_id in UNSUPPORTED_VITS:
-        raise UserError(f"config.json timm_model_ids: {timm_id} is {UNSUPPORTED_VITS[timm_id]}, which this "
+        raise UserError(f"timm_model_ids: {timm_id} is {UNSUPPORTED_VITS[timm_id]}, which this "
                         f"project does not implement (Prismatic's clip-* / dinoclip-* / in1k-* vision backbones). "
                         f"Supported: {', '.join(TIMM_VITS)} (every public OpenVLA and OpenVLA-OFT checkpoint).")
     if timm_id not in TIMM_VITS:
-        raise unknown_name_error("timm vision backbone (config.json timm_model_ids)", timm_id, list(TIMM_VITS))
-    unknown = sorted(set(overrides or {}) - set(TIMM_KWARGS))
+        raise unknown_name_error("timm vision backbone (timm_model_ids)", timm_id, list(TIMM_VITS))
+    unknown = {k: v for k, v in (overrides or {}).items() if k not in TIMM_KWARGS}
     if unknown:
-        raise UserError(f"config.json timm_overrides for {timm_id} sets {unknown}: only {sorted(TIMM_KWARGS)} "
+        raise UserError(f"timm_overrides for {timm_id} sets {unknown}: only {sorted(TIMM_KWARGS)} "
                         "are understood (the sizes of a ViT built smaller than the timm id's). Remove the other "
                         "keys, or the whole timm_overrides field for a full-size checkpoint.")
     fields = {TIMM_KWARGS[k]: v for k, v in (overrides or {}).items()}
