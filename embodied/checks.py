@@ -19,11 +19,12 @@ from scheduler.layout import BatchLayout
 from scheduler.placement import check_placement
 
 
-def check_run_config(cfg: TrainConfig) -> None:
-    """Raise a UserError for the first thing wrong with ``cfg`` (its message names the fix)."""
+def check_run_config(cfg: TrainConfig) -> list[str]:
+    """Raise a UserError for the first thing wrong with ``cfg`` (its message names the fix). Returns
+    the lines the run log shows about choices a checkpoint left to the config."""
     check_env_config(cfg.env)
     seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)  # eval.tasks is checked now, not after training
-    check_policy_config(cfg.policy, env_action_dim(cfg.env))
+    notes = check_policy_config(cfg.policy, env_action_dim(cfg.env))
     for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
                            (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap),
                            (LOGPROB_LEVELS, cfg.algorithm.logprob_level),
@@ -35,6 +36,7 @@ def check_run_config(cfg: TrainConfig) -> None:
     _check_final_weights(cfg)
     _check_critic(cfg)
     _check_episode_fits(cfg)
+    return notes
 
 
 def _check_groups(cfg: TrainConfig) -> None:

@@ -13,6 +13,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -446,10 +447,7 @@ def _explain(err: BaseException) -> tuple[str, int] | None:
         if isinstance(err, RayTaskError) and err.cause is not None:
             err = err.cause
         if isinstance(err, ActorDiedError) and "creation task" in str(err):
-            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-            message = (f"A worker failed to start: {lines[-1]}\nCheck the env on its own (`embodied check-render`, "
-                       "or build it with `embodied record` and the same overrides); the traceback is above.")
-            return message, EXIT_ENV_CRASH
+            return _explain_failed_start(str(err))
     except ImportError:
         pass
     if isinstance(err, UserError):
@@ -457,6 +455,22 @@ def _explain(err: BaseException) -> tuple[str, int] | None:
     if isinstance(err, EnvCrashedError):
         return f"{err}\nThe last checkpoint is kept; continue with `embodied train resume=<run_dir>`.", EXIT_ENV_CRASH
     return None
+
+
+def _explain_failed_start(report: str) -> tuple[str, int]:
+    """A worker's constructor raised (Ray's report of it is ``report``). Bad input found only there
+    (a UserError) is a config error like any other: its own paragraph, exit 2. Anything else is a
+    crash: an env worker's points at the simulator, a policy worker's at the policy."""
+    user_error = re.search(r"UserError: (.*)", report, re.DOTALL)
+    if user_error:
+        return user_error.group(1).strip(), EXIT_USER_ERROR
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    if "EnvWorker" in report:
+        check = ("the env on its own (`embodied check-render`, or build it with `embodied record` and the same "
+                 "overrides)")
+    else:
+        check = "the policy on its own (`embodied record` with the same overrides builds it in one process)"
+    return f"A worker failed to start: {lines[-1]}\nCheck {check}; the traceback is above.", EXIT_ENV_CRASH
 
 
 def main(argv: list[str] | None = None) -> int:

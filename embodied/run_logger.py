@@ -29,6 +29,10 @@ class RunLogger:
         self.bar.write(f"{tag}: {text}", file=sys.stderr)
         self.writer.add_text(tag, text)
 
+    def text(self, tag: str, text: str) -> None:
+        """A TensorBoard text entry only (for lines already printed)."""
+        self.writer.add_text(tag, text)
+
     def advance(self, steps: int, success: float | None = None) -> None:
         if success is not None:
             self.bar.set_postfix(success_once=f"{success:.2f}", refresh=False)

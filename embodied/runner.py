@@ -45,6 +45,7 @@ from envs.registry import (
     validation_seeds,
 )
 from envs.seeds import AutoResets, RunSeeds
+from policies.registry import check_policy_observations
 from scheduler.auto import AutoPlan, auto_placement
 from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices, start_cluster
@@ -86,6 +87,7 @@ class Workers:
         self.env.get = self.watchdog.get
         spec: EnvSpec = self.env.call("spec")[0]
         self.obs_spec, self.action_dim, self.max_episode_steps = spec.obs_spec, spec.action_dim, spec.max_episode_steps
+        check_policy_observations(cfg.policy, self.obs_spec, self.action_dim)  # before any policy worker starts
         self.steps_per_rollout = cfg.algorithm.rollout_steps or self.max_episode_steps
         common = dict(policy_cfg=cfg.policy, algorithm_cfg=cfg.algorithm,
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
@@ -106,6 +108,7 @@ class Workers:
         self._setup_weight_sync()
         self._weights_ref = None
         self._weights_stale = True  # the actor has weights the rollout workers have not got
+        self.notes: list[str] = []  # the config checks' lines for the run log (start_workers fills them)
 
     def _join_actor_ranks(self) -> str:
         """Several actor ranks: one process group, data-parallel as ``placement.data_parallel``
@@ -315,14 +318,18 @@ def start_workers(cfg: TrainConfig) -> Workers:
     start or join the Ray cluster, choose the placement (``placement.mode=auto``: profile, or
     read the cached profile, plan, and write the chosen placement into ``cfg.placement``), then
     start the worker groups."""
-    check_run_config(cfg)
+    notes = check_run_config(cfg)
+    for line in notes:  # what a checkpoint left to the config (e.g. its normalisation), before anything starts
+        print(f"note: {line}", file=sys.stderr)
     start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
     devices = cluster_devices()
     auto = None
     if cfg.placement.mode == "auto":
         auto = auto_placement(cfg, len(devices.devices), devices.kind, STAGE_RUNNERS)
         cfg.placement = auto.placement
-    return Workers(cfg, devices, auto)
+    workers = Workers(cfg, devices, auto)
+    workers.notes = notes
+    return workers
 
 
 STAGE_RUNNERS = StageRunners(start_workers=start_workers, update=ppo_update)  # what placement.mode=auto profiles
@@ -366,6 +373,8 @@ class Trainer:
             self.log.note("placement", f"auto, from {auto.profile_path}:\n{auto.choice.markdown(limit=12)}")
         ranks = "" if self.workers.data_parallel == "single" else f"; actor ranks: {self.workers.data_parallel}"
         self.log.note("placement", self.workers.plan.describe() + ranks)
+        for line in self.workers.notes:
+            self.log.text("checkpoint", line)  # printed already, before the workers started
         self.iteration_seconds: list[float] = []
         self.final_videos: dict[int, dict] = {}  # what final_eval filmed: episode index -> frames
         self.eval_history: list[float] = []  # periodic validations' success_once

@@ -50,6 +50,11 @@ class Policy(nn.Module):
         Returns lines for the run log about what was chosen (none by default)."""
         return []
 
+    @classmethod
+    def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
+        """Raise a UserError if this policy cannot act on the env's observations (``obs_spec``, known
+        once the env workers report it: checked there, before any policy worker starts)."""
+
     @staticmethod
     def untrainable_reason(cfg) -> str | None:
         """Why ``embodied train`` cannot train this config (one paragraph), or None."""

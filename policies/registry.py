@@ -42,6 +42,13 @@ def check_policy_config(policy_cfg, action_dim: int | None = None) -> list[str]:
     return POLICIES.get(policy_cfg.name).check_config(policy_cfg, action_dim) or []
 
 
+def check_policy_observations(policy_cfg, obs_spec: dict, action_dim: int) -> None:
+    """The policy class's ``check_observations``: what it needs of the env's observations (camera
+    keys, a proprio state of the checkpoint's size), in the driver before any policy worker starts."""
+    _import_policies()
+    POLICIES.get(policy_cfg.name).check_observations(policy_cfg, obs_spec, action_dim)
+
+
 def make_policy(policy_cfg, obs_spec: dict, action_dim: int):
     """Build the policy ``policy_cfg.name`` for observations ``obs_spec`` and ``action_dim`` actions."""
     _import_policies()

@@ -1,5 +1,10 @@
 """Bad input: one paragraph naming the fix, exit code 2, no traceback."""
 
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import run_cli
@@ -115,30 +120,133 @@ def test_env_that_fails_to_build_names_the_cause_and_exits_3():
     assert error and "failed to start" in error[0] and "pd_bogus not in supported modes" in error[0]
 
 
-ASSETS = "assets/reference"
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "reference"
+
+
+def _edit_json(name: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+    """An edit of a checkpoint copy: ``change`` applied to its JSON file ``name``."""
+    def edit(model: Path) -> None:
+        data = json.loads((model / name).read_text())
+        change(data)
+        (model / name).write_text(json.dumps(data))
+    return edit
+
+
+def _delete(name: str) -> Callable[[Path], None]:
+    return lambda model: (model / name).unlink()
+
+
+def _drop_bounds(stats: dict) -> None:
+    for key in stats:
+        for field in ("min", "max"):
+            stats[key]["action"].pop(field)
+
+
+LIBERO_OPENVLA = ["env=libero_spatial", "policy=openvla_7b_libero", "policy.unnorm_key=libero_spatial_no_noops"]
+LIBERO_OFT = ["env=libero_spatial", "policy=openvla_oft_7b_libero", "policy.unnorm_key=libero_spatial_no_noops"]
 CHECKPOINT_CASES = {
-    # (command, the fixture, a file to delete from a copy of it or None, overrides, words the message must have)
-    "checkpoint missing a file": ("eval", "openvla_tiny", "model.safetensors", ["env=libero_spatial",
-                                  "policy=openvla_7b_libero", "policy.unnorm_key=libero_spatial_no_noops"],
+    # (command, the fixture, an edit of a copy of it or None, overrides, words the message must have)
+    "checkpoint missing a file": ("eval", "openvla_tiny", _delete("model.safetensors"), LIBERO_OPENVLA,
                                   ["missing model.safetensors", "huggingface-cli"]),
     "L1 OFT checkpoint to train": ("train", "openvla_oft_l1_tiny", None, ["env=libero_spatial",
                                    "policy=openvla_oft_7b_libero"], ["L1-regression", "token OFT"]),
+    "unknown key in timm_overrides": (
+        "eval", "openvla_tiny", _edit_json("config.json", lambda c: c["timm_overrides"][0].update(mlp_ratio=3.0)),
+        LIBERO_OPENVLA, ["config.json", "timm_overrides", "'mlp_ratio': 3.0", "Remove the other keys"]),
+    "CLIP vision backbone": (
+        "eval", "openvla_tiny", _edit_json("config.json", lambda c: c["timm_model_ids"].__setitem__(
+            1, "vit_large_patch14_clip_336.openai")), LIBERO_OPENVLA, ["vit_large_patch14_clip_336.openai", "CLIP"]),
+    "Mistral language model": (
+        "eval", "openvla_tiny", _edit_json("config.json", lambda c: c.update(llm_backbone_id="mistral-v0.1-7b-pure")),
+        LIBERO_OPENVLA, ["llm_backbone_id='mistral-v0.1-7b-pure'", "Llama"]),
+    "config.json that is not JSON": (
+        "eval", "openvla_tiny", lambda model: (model / "config.json").write_text("{\"model_type\": "),
+        LIBERO_OPENVLA, ["config.json is not valid JSON", "Copy"]),
+    "unknown image resize strategy": (
+        "eval", "openvla_tiny", _edit_json("preprocessor_config.json", lambda c: c.update(
+            image_resize_strategy="resize-magic")), LIBERO_OPENVLA, ["resize-magic", "letterbox"]),
+    "processor of a single-backbone checkpoint": (
+        "eval", "openvla_tiny", lambda model: (model / "preprocessor_config.json").write_bytes(
+            (ASSETS / "openvla_single_tiny" / "preprocessor_config.json").read_bytes()),
+        LIBERO_OPENVLA, ["1 backbone transforms", "use_fused_vision_backbone"]),
+    "FiLM OFT checkpoint": (
+        "eval", "openvla_oft_l1_tiny", lambda model: (model / "vision_backbone--100_checkpoint.pt").write_bytes(b""),
+        LIBERO_OFT, ["vision_backbone--100_checkpoint.pt", "FiLM"]),
+    "bounds normalisation without min / max": (
+        "eval", "openvla_oft_l1_tiny", _edit_json("dataset_statistics.json", _drop_bounds),
+        [*LIBERO_OFT, "policy.normalization=bounds"], ["has no ['min', 'max']", "policy.normalization"]),
+    "bounds normalisation for OpenVLA": ("eval", "openvla_tiny", None, [*LIBERO_OPENVLA, "policy.normalization=bounds"],
+                                         ["q01 / q99 only", "openvla_oft"]),
+    "mean / std normalisation": ("eval", "openvla_oft_l1_tiny", None, [*LIBERO_OFT, "policy.normalization=normal"],
+                                 ["Unsupported action/proprio normalization", "bounds_q99"]),
+    "ALOHA checkpoint on LIBERO": (
+        "eval", "openvla_oft_aloha_tiny", None, ["env=libero_spatial", "policy=openvla_oft_7b_aloha",
+                                                 "policy.unnorm_key=aloha1_put_x_into_pot_300_demos"],
+        ["14-dim actions", "7-dim"]),
     # an unnorm_key the statistics lack, or statistics of another action size: the same path, tested in-process
     # (tests/test_reference_parity.py::test_checkpoint_statistics_are_checked_before_any_worker_starts)
 }
 
 
+def _checkpoint_case(name: str, tmp_path: Path) -> list[str]:
+    """The case's command line, with a (copied and edited) fixture as ``policy.model_path``."""
+    command, fixture, edit, overrides, _ = CHECKPOINT_CASES[name]
+    model = ASSETS / fixture
+    if edit:
+        model = Path(shutil.copytree(model, tmp_path / fixture))
+        edit(model)
+    return [command, f"policy.model_path={model}", "policy.dtype=float32", *overrides]
+
+
 @pytest.mark.parametrize("name", sorted(CHECKPOINT_CASES))
 def test_bad_checkpoint_gives_one_paragraph_and_exit_2_before_workers_start(name, tmp_path, no_ray, capsys):
-    import shutil
-    from pathlib import Path
-
     from embodied.cli import main
 
-    command, fixture, delete, overrides, must_mention = CHECKPOINT_CASES[name]
-    model = Path(__file__).resolve().parents[1] / ASSETS / fixture
-    if delete:
-        model = Path(shutil.copytree(model, tmp_path / fixture))
-        (model / delete).unlink()
-    code = main([command, f"policy.model_path={model}", "policy.dtype=float32", *overrides])
-    _assert_one_paragraph(code, capsys.readouterr().err, must_mention)
+    code = main(_checkpoint_case(name, tmp_path))
+    _assert_one_paragraph(code, capsys.readouterr().err, CHECKPOINT_CASES[name][-1])
+
+
+def test_a_real_process_refuses_an_unknown_timm_override_before_ray_starts(tmp_path):
+    """The issue's case as a user meets it: exit 2, one paragraph, no traceback, no worker started."""
+    proc = run_cli(*_checkpoint_case("unknown key in timm_overrides", tmp_path), "eval.trials_per_task=1",
+                   timeout=120)
+    assert "Started a local Ray instance" not in proc.stderr and "pid=" not in proc.stderr
+    _assert_one_paragraph(proc.returncode, proc.stderr, CHECKPOINT_CASES["unknown key in timm_overrides"][-1])
+
+
+def test_bad_input_found_in_a_worker_is_a_config_error_not_a_crash():
+    """A UserError raised in a worker's constructor (Ray's creation-task report) gives its own
+    paragraph and exit 2; a policy worker's crash never points at the renderer, an env worker's does."""
+    from embodied.cli import EXIT_ENV_CRASH, EXIT_USER_ERROR, _explain_failed_start
+
+    report = ("The actor died because of an error raised in its creation task, ray::ActorWorker.__init__() "
+              "(pid=1, ip=1.2.3.4)\n  File \"policies/vla/oft.py\", line 1, in __init__\n"
+              "envs.common.UserError: policy.proprio=true needs a `state` observation; this env has none.")
+    message, code = _explain_failed_start(report)
+    assert code == EXIT_USER_ERROR and message.startswith("policy.proprio=true") and "check-render" not in message
+    crash = report.replace("envs.common.UserError: policy.proprio", "RuntimeError: CUDA out of memory")
+    message, code = _explain_failed_start(crash)
+    assert code == EXIT_ENV_CRASH and "check-render" not in message and "the policy on its own" in message
+    message, _ = _explain_failed_start(crash.replace("ActorWorker", "EnvWorker"))
+    assert "check-render" in message
+
+
+LIBERO_OBS = {"rgb": ((224, 224, 3), "uint8"), "wrist_rgb": ((224, 224, 3), "uint8"), "state": ((8,), "float32")}
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ([*LIBERO_OFT, f"policy.model_path={ASSETS / 'openvla_oft_l1_tiny'}", "policy.cameras=[rgb,left_wrist_rgb]"],
+     ["left_wrist_rgb", "wrist_rgb"]),
+    ([*LIBERO_OFT, f"policy.model_path={ASSETS / 'openvla_oft_aloha_tiny'}", "policy.cameras=[rgb]",
+      "policy.unnorm_key=aloha1_put_x_into_pot_300_demos", "policy.normalization=bounds"],
+     ["state is 8-dim", "14-dim", "policy.proprio=false"]),
+], ids=["a camera the env lacks", "proprio of another size"])
+def test_policy_is_checked_against_the_envs_observations_before_policy_workers_start(overrides, words):
+    """What ``Workers`` checks once the env workers report their observations (LIBERO's here)."""
+    from embodied.config import compose
+    from envs.common import UserError
+    from policies.registry import check_policy_observations
+
+    with pytest.raises(UserError) as err:
+        check_policy_observations(compose(overrides).policy, LIBERO_OBS, 14)
+    assert all(word in str(err.value) for word in words), str(err.value)

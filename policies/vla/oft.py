@@ -142,8 +142,9 @@ class OFTCheckpoint(OpenVLACheckpoint):
             proprio = "proprio as the env gives it (no proprio statistics)"
         else:
             mask = self.proprio_stats.normalize_mask
-            proprio = (f"proprio normalised with {NORMALIZATION_NAMES[self.normalization]} on {int(mask.sum())} of "
-                       f"{len(mask)} dims (the mask leaves the others as they are)")
+            kept = len(mask) - int(mask.sum())
+            proprio = (f"{len(mask)}-dim proprio normalised with {NORMALIZATION_NAMES[self.normalization]}"
+                       + (f" ({kept} dims left as they are by the statistics' mask)" if kept else ""))
         return f"{super().describe()}; {head}; {proprio}"
 
 
@@ -192,9 +193,13 @@ def check_proprio_projector(path: Path, hidden: int, stats: ActionStats | None) 
                         "The component and dataset_statistics.json come from different checkpoints.")
 
 
-def check_proprio_size(saved: OFTCheckpoint, state_dim: int) -> None:
-    """The env's ``state`` must have the size of the checkpoint's proprio statistics."""
-    if saved.proprio_stats is not None and len(saved.proprio_stats.low) != state_dim:
+def check_proprio_state(obs_spec: dict, saved: OFTCheckpoint | None) -> None:
+    """``policy.proprio=true`` needs the env's ``state``, of the size of the checkpoint's proprio statistics."""
+    if "state" not in obs_spec:
+        raise UserError("policy.proprio=true needs a `state` observation; this env has none "
+                        f"(it has {sorted(obs_spec)}). Set policy.proprio=false.")
+    state_dim = obs_spec["state"][0][0]
+    if saved is not None and saved.proprio_stats is not None and len(saved.proprio_stats.low) != state_dim:
         raise UserError(f"policy.proprio=true: the env's state is {state_dim}-dim, but {saved.model_dir}'s proprio "
                         f"statistics are {len(saved.proprio_stats.low)}-dim (OFT's LIBERO checkpoints take 8, its "
                         "ALOHA ones 14). Use an env whose state matches, or policy.proprio=false.")
@@ -226,16 +231,18 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
             load_component(self.action_head, saved.action_head)
         self.proprio_projector, self.proprio_stats = None, None
         if cfg.proprio:
-            if "state" not in obs_spec:
-                raise UserError("policy.proprio=true needs a `state` observation; this env has none "
-                                f"(it has {sorted(obs_spec)}). Set policy.proprio=false.")
-            state_dim = obs_spec["state"][0][0]
-            self.proprio_projector = ProprioProjector(state_dim, hidden).to(dtype)
+            check_proprio_state(obs_spec, saved)
+            self.proprio_projector = ProprioProjector(obs_spec["state"][0][0], hidden).to(dtype)
             if saved is not None:
                 self.proprio_stats = saved.proprio_stats
-                check_proprio_size(saved, state_dim)
                 if saved.proprio_projector is not None:
                     load_component(self.proprio_projector, saved.proprio_projector)
+
+    @classmethod
+    def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
+        super().check_observations(cfg, obs_spec, action_dim)
+        if cfg.proprio:
+            check_proprio_state(obs_spec, cls.read_checkpoint(cfg, action_dim) if cfg.model_path else None)
 
     @classmethod
     def read_checkpoint(cls, cfg, action_dim: int | None) -> OFTCheckpoint:

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
 from envs.common import UserError
+from policies.vla.checkpoint import read_json
 from policies.vla.vit import TIMM_VITS, VisionTransformer, ViTSpec, timm_spec
 
 PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
@@ -205,6 +206,7 @@ def read_config(model_dir: str) -> OpenVLAConfig:
     """``model_dir``'s config.json as an :class:`OpenVLAConfig`, every option checked
     (:meth:`OpenVLAConfig.check_supported`); no weights are read."""
     path = Path(model_dir) / "config.json"
+    read_json(path)  # a file that is not JSON: said in our words, not transformers'
     try:
         config = OpenVLAConfig.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError, KeyError) as err:

@@ -276,7 +276,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
-        require_images(obs_spec, "openvla", cfg.cameras)
+        require_images(obs_spec, cfg.name, cfg.cameras)
         self.cameras = list(cfg.cameras)
         self.checkpoint = None
         if cfg.model_path:
@@ -313,6 +313,10 @@ class OpenVLAPolicy(TokenVLAPolicy):
         found = dataset_statistics(cfg.model_path, config.norm_stats, cfg.unnorm_key)
         actions = action_bounds(found, cfg.model_path, action_dim, cfg.normalization)
         return OpenVLACheckpoint(cfg.model_path, config, images, found, actions, cfg.normalization)
+
+    @classmethod
+    def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
+        require_images(obs_spec, cfg.name, cfg.cameras)
 
     @classmethod
     def check_normalization(cls, name: str) -> None:
