@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.reference import inputs, load_policy, observation, outputs
+from tests.reference import ASSETS, inputs, load_policy, observation, outputs
 
 SINGLE_CASES = ["libero_eval", "maniskill", "gradient", "gradient_odd", "long_instruction", "non_ascii"]
 SINGLE_LOGIT_IDS = slice(31616, 32032)  # 256 text ids, the 128 action ids, the 32 padding ids
@@ -184,3 +184,23 @@ def test_oft_proprio_mask_leaves_masked_dims_as_upstream_normalize_proprio(propr
     assert masked.sum() == 2 and np.allclose(proprio[masked], np.clip(state[masked], -1, 1), atol=1e-6)
     np.testing.assert_allclose(policy.actions.unnormalize(chunk.unflatten(-1, (8, 7)))[0].numpy(),
                                ref[f"{case}/actions"], rtol=0, atol=1e-5)
+
+
+# -- weights that do not fit config.json: the report names them ----------------------------------------
+def test_weights_of_another_size_are_named_not_blamed_on_an_incomplete_copy(tmp_path):
+    """A complete directory whose config.json says another MLP width: the error lists the weights that
+    do not fit, with both shapes (transformers' own report stays hidden behind its quiet loading)."""
+    import json
+    import shutil
+
+    from envs.common import UserError
+
+    model = shutil.copytree(ASSETS / "openvla_tiny", tmp_path / "openvla_tiny")
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["intermediate_size"] = 48
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as err:
+        load_policy("openvla_7b_libero", str(model))
+    message = str(err.value)
+    assert "6 weights of other shapes" in message and "(32, 16) in the weights, (48, 16) per config.json" in message
+    assert "complete copy" not in message

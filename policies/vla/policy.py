@@ -192,27 +192,38 @@ def quiet_transformers():
 
 def load_strictly(model_class, model_dir: str, dtype: torch.dtype, config=None):
     """``model_class.from_pretrained`` (with ``config``, already read and checked, if given) that fails
-    on any missing, unexpected or misshapen weight (transformers only warns, and a half-loaded VLA
-    acts plausibly but wrongly)."""
+    on any missing, unexpected or misshapen weight, naming them (transformers only warns, and a
+    half-loaded VLA acts plausibly but wrongly)."""
     extra = {} if config is None else {"config": config}
     try:
-        with quiet_transformers():
-            model, info = model_class.from_pretrained(model_dir, dtype=dtype, output_loading_info=True, **extra)
+        with quiet_transformers():  # mismatches are loaded (then refused below) so that we can name them
+            model, info = model_class.from_pretrained(model_dir, dtype=dtype, output_loading_info=True,
+                                                      ignore_mismatched_sizes=True, **extra)
     except OSError as err:  # a file transformers could not read: a shard cut short, a missing file
         raise UserError(f"policy.model_path={model_dir} does not load as {model_class.__name__}: {err}. Check that "
                         "the directory is a complete copy of the checkpoint (config.json and every "
                         "*.safetensors shard named in its index).") from err
-    except (ValueError, RuntimeError) as err:  # the files are there but do not fit the model
-        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise UserError(f"policy.model_path={model_dir}: its weights do not fit the {model_class.__name__} that "
-                        f"its config.json describes ({first}). Check that config.json and the weights come "
-                        "from the same checkpoint.") from err
-    problems = {k: v for k, v in info.items() if k != "error_msgs" and v}
+    problems = loading_problems(info)
     if problems:
-        raise UserError(f"policy.model_path={model_dir}: the weights do not match the architecture its config.json "
-                        f"describes ({ {k: sorted(map(str, v))[:5] for k, v in problems.items()} }). Copy the "
-                        "checkpoint again, or fix config.json if it was edited.")
+        raise UserError(f"policy.model_path={model_dir}: its weights do not fit the {model_class.__name__} its "
+                        f"config.json describes: {problems}. config.json and the weights come from different "
+                        "checkpoints (or config.json was edited): copy both from one.")
     return model
+
+
+def loading_problems(info: dict, shown: int = 3) -> str:
+    """transformers' loading info -> what does not fit, readably ('' when everything loaded)."""
+    parts = []
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        named = "; ".join(f"{name}: {tuple(saved)} in the weights, {tuple(built)} per config.json"
+                          for name, saved, built in sorted(mismatched)[:shown])
+        parts.append(f"{len(mismatched)} weights of other shapes ({named}{'; ...' if len(mismatched) > shown else ''})")
+    for key, what in (("missing_keys", "missing from the weights"), ("unexpected_keys", "not in the model")):
+        names = sorted(info.get(key) or [])
+        if names:
+            parts.append(f"{len(names)} {what} ({', '.join(names[:shown])}{', ...' if len(names) > shown else ''})")
+    return "; ".join(parts)
 
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
