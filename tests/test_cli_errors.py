@@ -159,6 +159,12 @@ CHECKPOINT_CASES = {
     "Mistral language model": (
         "eval", "openvla_tiny", _edit_json("config.json", lambda c: c.update(llm_backbone_id="mistral-v0.1-7b-pure")),
         LIBERO_OPENVLA, ["llm_backbone_id='mistral-v0.1-7b-pure'", "Llama"]),
+    "dynamic RoPE scaling": (
+        "eval", "openvla_tiny", _edit_json("config.json", lambda c: c["text_config"].update(
+            rope_scaling={"type": "dynamic", "factor": 2.0})), LIBERO_OPENVLA, ["'dynamic'", "linear"]),
+    "processor with a max_size": (
+        "eval", "openvla_tiny", _edit_json("preprocessor_config.json", lambda c: c["tvf_resize_params"][0].update(
+            max_size=256)), LIBERO_OPENVLA, ["max_size=256", "null"]),
     "config.json that is not JSON": (
         "eval", "openvla_tiny", lambda model: (model / "config.json").write_text("{\"model_type\": "),
         LIBERO_OPENVLA, ["config.json is not valid JSON", "Copy"]),

@@ -102,6 +102,23 @@ def test_letterbox_pads_to_square_with_the_saved_fill_before_resizing(single):
     assert not torch.allclose(pixels[:, 100:120], torch.full_like(pixels[:, 100:120], fill), atol=1e-2)
 
 
+@pytest.mark.parametrize("case", ["maniskill", "gradient", "gradient_odd"])
+def test_resize_crop_processor_gives_upstream_pixels(single, tmp_path, case):
+    """Prismatic's third strategy, resize-crop (the shorter side to 224, then the centre crop), from the
+    processor file upstream saved: the 180 x 240 frame is cut, not squashed or padded."""
+    import shutil
+
+    from policies.vla.processor import ImageProcessing
+
+    policy, ref = single
+    model = shutil.copytree(ASSETS / "openvla_single_tiny", tmp_path / "model")
+    (model / "preprocessor_config.json").write_text(str(ref["resize_crop/preprocessor_config"]))
+    images = ImageProcessing.from_pretrained(model, [224], backbones=1)
+    assert images.strategy == "resize-crop" and images.transforms[0].size == 224
+    pixels = images(torch.from_numpy(ref[f"{case}/image"])[None])[0]
+    np.testing.assert_allclose(pixels.numpy(), ref[f"resize_crop/{case}/pixel_values"], rtol=0, atol=1e-6)
+
+
 # -- OFT with ALOHA's constants: bounds normalisation, 25 x 14 chunks, 3 cameras ----------------------
 ALOHA_CAMERAS = ("rgb", "left_wrist_rgb", "right_wrist_rgb")
 ALOHA_FRAMES = {"aloha_libero_frames": ("libero_agentview", "libero_wrist", "maniskill_rgb"),

@@ -352,8 +352,34 @@ def build_openvla_single(src: Path, out_root: Path) -> None:
         row = openvla_case(model, processor, image, instruction, SINGLE)
         row["env_action"] = libero_env_action(hf.robot_utils, row["action"])
         results.update({f"{name}/{k}": v for k, v in row.items()})
+    results.update(resize_crop_case(hf, {name: cases[name][0] for name in ("maniskill", "gradient", "gradient_odd")}))
     np.savez_compressed(out_root / "openvla_single_tiny_outputs.npz", **results)
     print(f"openvla single: {len(cases)} cases -> {out_root / 'openvla_single_tiny_outputs.npz'}")
+
+
+def resize_crop_case(hf, frames: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Prismatic's third ``image_resize_strategy``, ``resize-crop`` (shorter side to 224, centre crop),
+    for the single SigLIP backbone: the processor's saved JSON and its pixel values on ``frames``."""
+    from PIL import Image
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        processor = hf.PrismaticImageProcessor(
+            use_fused_vision_backbone=False, image_resize_strategy="resize-crop", input_sizes=[(3, 224, 224)],
+            interpolations=["bicubic"], means=[(0.5, 0.5, 0.5)], stds=[(0.5, 0.5, 0.5)])
+    finally:
+        torch.set_default_dtype(default)
+    processor.auto_map = PROCESSOR_AUTO_MAP
+    processor.processor_class = "PrismaticProcessor"
+    with tempfile.TemporaryDirectory() as scratch:  # what save_pretrained writes, read back as from_pretrained does
+        processor.save_pretrained(scratch)
+        saved = (Path(scratch) / "preprocessor_config.json").read_text()
+        processor = hf.PrismaticImageProcessor.from_pretrained(scratch)
+    out = {"resize_crop/preprocessor_config": np.array(saved)}
+    for name, frame in frames.items():
+        out[f"resize_crop/{name}/pixel_values"] = processor(Image.fromarray(frame).convert("RGB"))["pixel_values"][0]
+    return out
 
 
 def libero_env_action(robot_utils, action: np.ndarray) -> np.ndarray:

@@ -30,6 +30,9 @@ from policies.vla.vit import TIMM_VITS, VisionTransformer, ViTSpec, timm_spec
 PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
 # Prismatic's llm_backbone_id values whose model is a Llama (configuration_prismatic.py); its
 # mistral-* and phi-* backbones have other architectures and tokenizers
+# RoPE variants whose arithmetic in this transformers equals upstream's 4.40.1 (proven by a fixture:
+# linear). 4.40.1's "dynamic" rescales statefully between calls, which a newer transformers does not.
+ROPE_TYPES = ("default", "linear")
 LLAMA_BACKBONES = ("llama2-7b-pure", "llama2-13b-pure", "llama2-7b-chat", "llama2-13b-chat", "vicuna-v15-7b",
                    "vicuna-v15-13b")
 
@@ -79,6 +82,11 @@ class OpenVLAConfig(PretrainedConfig):
         if self.text_config.model_type != "llama":
             raise UserError(f"{where}: text_config.model_type={self.text_config.model_type!r}; only 'llama' is "
                             "supported (see llm_backbone_id).")
+        rope = (self.text_config.rope_parameters or {}).get("rope_type", "default")
+        if rope not in ROPE_TYPES:
+            raise UserError(f"{where}: text_config.rope_scaling has type {rope!r}; supported: {list(ROPE_TYPES)} "
+                            "(no scaling, or linear: what transformers 4.40.1, upstream's pin, computes as this "
+                            "project does). Llama-2 OpenVLA checkpoints use no scaling.")
         acts = [a for a in getattr(self, "timm_override_act_layers", None) or [] if a is not None]
         if acts:
             raise UserError(f"{where}: timm_override_act_layers={acts}: the ViTs here use timm's default GELU; "

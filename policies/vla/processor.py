@@ -125,6 +125,11 @@ class ImageProcessing:
             raise UserError(f"{path}: image_resize_strategy={strategy!r} is not one of Prismatic's "
                             f"{list(RESIZE_STRATEGIES)} (upstream's processor raises on it too). Copy the file "
                             "from the checkpoint it belongs to.")
+        resizes = [r for r in saved.get("tvf_resize_params") or [] if isinstance(r, dict)]
+        capped = [r["max_size"] for r in resizes if r.get("max_size") is not None]
+        if capped:  # upstream's processor always saves null (timm's transforms have no cap)
+            raise UserError(f"{path}: tvf_resize_params max_size={capped[0]} is not supported (only null, which "
+                            "OpenVLA's processor always saves). Copy the file from the checkpoint it belongs to.")
         try:
             transforms = tuple(_transform_from_saved(r, c, n) for r, c, n in zip(
                 saved["tvf_resize_params"], saved["tvf_crop_params"], saved["tvf_normalize_params"], strict=True))
