@@ -8,14 +8,19 @@ the project's venv, and imports the upstream sources from the fetched snapshots:
   transformers 4.40.1, and its LIBERO eval helpers (``experiments/robot``) for the eval images;
 - ``oft``: moojink/openvla-oft's ``prismatic/extern/hf``, action heads, projectors and eval
   helpers, with moojink/transformers-openvla-oft (bidirectional Llama attention) on
-  ``PYTHONPATH`` in place of stock transformers.
+  ``PYTHONPATH`` in place of stock transformers;
+- ``simplevla``: PRIME-RL/SimpleVLA-RL's batched rollout on the token OFT fixture;
+- ``openvla_single``, ``oft_aloha``, ``oft_proprio_mask``: checkpoints of the upstream options the
+  first ones do not use (:class:`Shape`: one SigLIP backbone, letterbox / resize-crop processors,
+  grouped-query attention, RoPE scaling, vocabulary padding, action bins; OFT's ALOHA constants
+  with min / max normalisation, 25 x 14 chunks and three cameras; a proprio mask).
 
 Each upstream ``prismatic`` package is loaded through a shim package (:func:`upstream_package`)
 holding symlinks to just the modules inference needs, because the packages' ``__init__`` files
 import their whole training stack (draccus, dlimp, RLDS). A module inference never calls but an
 upstream file imports (``libero``, ``dlimp``) is an empty stub.
 
-Sizes are tiny (hidden 16, ViTs of 3 blocks) but everything else is the public on-disk format:
+Sizes are tiny (hidden 16-32, ViTs of 3-4 blocks) but everything else is the public on-disk format:
 config.json with ``auto_map``, bf16 safetensors, ``preprocessor_config.json`` written by
 upstream's processor under bf16 default dtype (so its DINOv2 normalisation is bf16-rounded, as
 in openvla-7b's), SentencePiece tokenizer files, ``dataset_statistics.json``, OFT's
@@ -23,7 +28,7 @@ in openvla-7b's), SentencePiece tokenizer files, ``dataset_statistics.json``, OF
 ``module.`` prefix. ViT sizes ride in config.json as ``timm_overrides`` (timm keyword
 arguments over the two public timm ids), the one field public checkpoints do not have.
 
-Usage (from make_fixtures.sh): ``python build_fixtures.py {openvla|oft} --out assets/reference``
+Usage (from make_fixtures.sh): ``python build_fixtures.py <family> --src <upstream snapshot> --out assets/reference``
 """
 
 from __future__ import annotations

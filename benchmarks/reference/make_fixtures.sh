@@ -10,7 +10,8 @@
 #     OPENVLA_SRC           a work tree of openvla/openvla at c8f03f4 (prismatic/extern/hf, experiments/robot)
 #     OFT_SRC               a work tree of moojink/openvla-oft at 213c5ff
 #     TRANSFORMERS_OFT_SRC  a work tree of moojink/transformers-openvla-oft at bc339d9 (v4.40.1 + bidirectional
-#                           Llama SDPA attention); its src/ goes on PYTHONPATH for the OFT fixtures only
+#                           Llama SDPA attention); its src/ goes on PYTHONPATH for the OFT fixtures only. Its
+#                           directory name must contain "transformers-openvla-oft" (build_fixtures.py checks)
 #     SIMPLEVLA_SRC         a work tree of PRIME-RL/SimpleVLA-RL at 7c51662 (verl/utils/vla_utils/openvla_oft)
 #     REFENV                the throwaway venv (default /tmp/embodied-refenv; reused when it exists)
 #   e.g. git clone https://github.com/openvla/openvla && git -C openvla checkout c8f03f4 (likewise the others)
@@ -36,4 +37,8 @@ cd "$repo"
 "$refenv/bin/python" "$here/build_fixtures.py" openvla --src "$openvla" --out assets/reference
 PYTHONPATH="$fork/src" "$refenv/bin/python" "$here/build_fixtures.py" oft --src "$oft" --out assets/reference
 PYTHONPATH="$fork/src" "$refenv/bin/python" "$here/build_fixtures.py" simplevla --src "$simplevla" --out assets/reference
+# options the first fixtures do not use; "oft_aloha" on the command line makes OFT's constants.py pick ALOHA's
+"$refenv/bin/python" "$here/build_fixtures.py" openvla_single --src "$openvla" --out assets/reference
+PYTHONPATH="$fork/src" "$refenv/bin/python" "$here/build_fixtures.py" oft_aloha --src "$oft" --out assets/reference
+PYTHONPATH="$fork/src" "$refenv/bin/python" "$here/build_fixtures.py" oft_proprio_mask --src "$oft" --out assets/reference
 du -sh assets/reference

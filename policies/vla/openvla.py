@@ -25,11 +25,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTra
 
 from envs.common import UserError
 from policies.vla.checkpoint import read_json
-from policies.vla.vit import TIMM_VITS, VisionTransformer, ViTSpec, timm_spec
+from policies.vla.vit import VisionTransformer, ViTSpec, timm_spec
 
 PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
 # Prismatic's llm_backbone_id values whose model is a Llama (configuration_prismatic.py); its
 # mistral-* and phi-* backbones have other architectures and tokenizers
+DINOSIGLIP = ("vit_large_patch14_reg4_dinov2.lvd142m", "vit_so400m_patch14_siglip_224")  # openvla-7b's backbones
 # RoPE variants whose arithmetic in this transformers equals upstream's 4.40.1 (proven by a fixture:
 # linear). 4.40.1's "dynamic" rescales statefully between calls, which a newer transformers does not.
 ROPE_TYPES = ("default", "linear")
@@ -50,7 +51,7 @@ class OpenVLAConfig(PretrainedConfig):
                  timm_overrides: list[dict] | None = None, image_sizes: list[int] | None = None,
                  use_fused_vision_backbone: bool = True, text_config: dict | LlamaConfig | None = None,
                  n_action_bins: int = 256, norm_stats: dict | None = None, pad_to_multiple_of: int = 64, **kwargs):
-        self.timm_model_ids = timm_model_ids or list(TIMM_VITS)
+        self.timm_model_ids = timm_model_ids or list(DINOSIGLIP)
         self.vit_specs = vit_specs
         self.timm_overrides = timm_overrides
         self.image_sizes = image_sizes or [224, 224]
@@ -92,18 +93,14 @@ class OpenVLAConfig(PretrainedConfig):
             raise UserError(f"{where}: timm_override_act_layers={acts}: the ViTs here use timm's default GELU; "
                             "a quick-GELU (CLIP) backbone is not supported.")
         needed = 2 if self.use_fused_vision_backbone else 1
-        if len(self.timm_model_ids) < needed or len(self.timm_model_ids) > 2:
+        if not self.vit_specs and not needed <= len(self.timm_model_ids) <= 2:
             raise UserError(f"{where}: use_fused_vision_backbone={self.use_fused_vision_backbone} with "
                             f"timm_model_ids={self.timm_model_ids}: a fused backbone names two timm ids, a single "
                             "one names one (upstream allows at most two). The file was edited or is damaged.")
-        try:
-            specs = self.vision_specs()
+        try:  # (a size that is no multiple of the patch is fine: timm's patch conv drops the rest, as here)
+            self.vision_specs()
         except UserError as err:  # the timm ids and overrides: say which file they are in
             raise UserError(f"{where}: {err}") from None
-        for spec in specs:
-            if spec.image_size % spec.patch:
-                raise UserError(f"{where}: image_sizes={self.image_sizes} is not a multiple of the ViT's "
-                                f"{spec.patch} px patches. Use the checkpoint's own config.json.")
         if not 2 <= self.n_action_bins <= self.action_vocab_size:
             raise UserError(f"{where}: n_action_bins={self.n_action_bins} must be between 2 and the vocabulary's "
                             f"{self.action_vocab_size} ids. Use the checkpoint's own config.json.")

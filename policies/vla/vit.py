@@ -23,7 +23,8 @@ from envs.common import UserError, unknown_name_error
 
 @dataclass(frozen=True)
 class ViTSpec:
-    """What a timm ViT id means; OpenVLA's two are in :data:`TIMM_VITS`, tiny ones are built from dicts."""
+    """What a timm ViT id means: Prismatic's DINOv2 / SigLIP ids are in :data:`TIMM_VITS`; tiny ViTs
+    are built from dicts."""
 
     dim: int
     depth: int
