@@ -18,27 +18,24 @@ identical, actions 1e-6 (token) / 1e-5 (L1 head).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-from tests.reference import ASSETS, inputs, load_policy, observation, outputs
+from tests.reference import (  # noqa: F401  (inference, offline: autouse fixtures, active by being imported)
+    ASSETS,
+    inference,
+    inputs,
+    l1_oft_matches_upstream,
+    load_policy,
+    observation,
+    offline,
+    openvla_matches_upstream,
+    outputs,
+)
 
 SINGLE_CASES = ["libero_eval", "maniskill", "gradient", "gradient_odd", "long_instruction", "non_ascii"]
 SINGLE_LOGIT_IDS = slice(31616, 32032)  # 256 text ids, the 128 action ids, the 32 padding ids
-
-
-@pytest.fixture(scope="module", autouse=True)
-def offline():
-    os.environ["HF_HUB_OFFLINE"] = "1"
-
-
-@pytest.fixture(autouse=True)
-def inference():
-    with torch.no_grad():
-        yield
 
 
 # -- one vision backbone, letterbox, GQA, RoPE scaling, 128 bins -------------------------------------
@@ -64,19 +61,7 @@ def test_single_backbone_checkpoint_loads_as_upstream_builds_it(single):
 @pytest.mark.parametrize("case", SINGLE_CASES)
 def test_single_backbone_letterbox_checkpoint_acts_as_upstream_predict_action(single, case):
     policy, ref = single
-    instruction = str(ref[f"{case}/instruction"])
-    obs = observation([ref[f"{case}/image"]], instruction)
-    np.testing.assert_allclose(policy._pixel_values(obs, "cpu")[0].numpy(), ref[f"{case}/pixel_values"], rtol=0,
-                               atol=1e-6)
-    ids, _ = policy._prompt_ids(obs)
-    assert ids[0].tolist() == [*ref[f"{case}/input_ids"].tolist(), 29871]
-    bins, _, _ = policy.act(obs, deterministic=True)
-    tokens = policy.actions.action_ids[bins.long()][0]
-    assert tokens.tolist() == ref[f"{case}/generated_ids"].tolist()
-    logits, _, _ = policy._run(obs, tokens[None, :-1])
-    np.testing.assert_allclose(logits[0, -7:, SINGLE_LOGIT_IDS].numpy(), ref[f"{case}/logits"], rtol=0, atol=1e-5)
-    np.testing.assert_allclose(policy.actions.decode(tokens).numpy(), ref[f"{case}/action"], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(policy.to_env(bins)[0].numpy(), ref[f"{case}/env_action"], rtol=0, atol=1e-6)
+    openvla_matches_upstream(policy, ref, case, SINGLE_LOGIT_IDS)
 
 
 @pytest.mark.parametrize("case", ["long_instruction", "non_ascii"])
@@ -142,18 +127,7 @@ def test_oft_with_aloha_constants_acts_as_upstream_get_vla_action(aloha, case):
     frames = [policy.adapter.frames(torch.from_numpy(f)[None])[0].numpy() for f in raw]
     assert all(np.array_equal(a, b) for a, b in zip(frames, ref[f"{case}/images"], strict=True))
     obs = observation(frames, str(ref[f"{case}/instruction"]), ref[f"{case}/state"], cameras=ALOHA_CAMERAS)
-    saved, policy.adapter = policy.adapter, type(policy.adapter)()
-    try:
-        np.testing.assert_allclose(policy._pixel_values(obs, "cpu")[0].numpy(), ref[f"{case}/pixel_values"],
-                                   rtol=0, atol=1e-6)
-        np.testing.assert_allclose(policy._proprio(obs["state"].double())[0].numpy(), ref[f"{case}/proprio"],
-                                   rtol=0, atol=1e-6)
-        _, hidden, _ = policy._forward(obs)
-        np.testing.assert_allclose(hidden[0].numpy(), ref[f"{case}/actions_hidden_states"], rtol=0, atol=1e-5)
-        chunk, _, _ = policy.act(obs, deterministic=True)
-        env_chunk = policy.to_env(chunk)[0].numpy()
-    finally:
-        policy.adapter = saved
+    _, env_chunk = l1_oft_matches_upstream(policy, obs, ref, case)
     assert env_chunk.shape == (25, 14)
     np.testing.assert_allclose(env_chunk, ref[f"{case}/actions"], rtol=0, atol=1e-5)
 
@@ -185,17 +159,8 @@ def test_oft_proprio_mask_leaves_masked_dims_as_upstream_normalize_proprio(propr
     """Masked proprio dimensions un-normalised (then clipped), the rest by q01 / q99; one camera."""
     policy, ref = proprio_mask
     obs = observation([ref[f"{case}/images"][0]], str(ref[f"{case}/instruction"]), ref[f"{case}/state"])
-    saved, policy.adapter = policy.adapter, type(policy.adapter)(gripper=policy.adapter.gripper)
-    try:
-        proprio = policy._proprio(obs["state"].double())[0].numpy()
-        np.testing.assert_allclose(proprio, ref[f"{case}/proprio"], rtol=0, atol=1e-6)
-        np.testing.assert_allclose(policy._pixel_values(obs, "cpu")[0].numpy(), ref[f"{case}/pixel_values"],
-                                   rtol=0, atol=1e-6)
-        _, hidden, _ = policy._forward(obs)
-        np.testing.assert_allclose(hidden[0].numpy(), ref[f"{case}/actions_hidden_states"], rtol=0, atol=1e-5)
-        chunk, _, _ = policy.act(obs, deterministic=True)
-    finally:
-        policy.adapter = saved
+    chunk, _ = l1_oft_matches_upstream(policy, obs, ref, case)
+    proprio = policy._proprio(obs["state"].double())[0].numpy()
     state = ref[f"{case}/state"]
     masked = ~policy.proprio_stats.normalize_mask.numpy()
     assert masked.sum() == 2 and np.allclose(proprio[masked], np.clip(state[masked], -1, 1), atol=1e-6)

@@ -11,31 +11,27 @@ hidden states, un-normalised actions and what is sent to LIBERO after the grippe
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from embodied.config import compose
 from envs.base import encode_instruction
-from tests.reference import ASSETS, load_policy, observation, outputs
+from tests.reference import (  # noqa: F401  (inference, offline: autouse fixtures, active by being imported)
+    ASSETS,
+    inference,
+    l1_oft_matches_upstream,
+    load_policy,
+    observation,
+    offline,
+    openvla_matches_upstream,
+    outputs,
+)
 
 LOGIT_IDS = slice(31488, 32064)  # what the fixtures kept of the vocabulary (text, action and padding ids)
 # the frame each fixture case started from (inputs.npz) and whether the LIBERO mirror applies to it
 RAW_FRAMES = {"libero_eval": (("libero_agentview", "libero_wrist"), True),
               "maniskill": (("maniskill_rgb", "gradient"), False), "gradient": (("gradient", "maniskill_rgb"), False)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def offline():
-    os.environ["HF_HUB_OFFLINE"] = "1"
-
-
-@pytest.fixture(autouse=True)
-def inference():
-    with torch.no_grad():
-        yield
 
 
 # -- OpenVLA -------------------------------------------------------------------------------------------
@@ -60,18 +56,7 @@ def test_openvla_eval_images_are_upstream_libero_eval_images(openvla):
 def test_openvla_acts_as_upstream_predict_action(openvla, case):
     policy, ref = openvla
     policy.adapter = type(policy.adapter)(gripper="libero")  # the case's frame is what upstream's processor saw
-    obs = observation([ref[f"{case}/image"]], str(ref[f"{case}/instruction"]))
-    np.testing.assert_allclose(policy._pixel_values(obs, "cpu")[0].numpy(), ref[f"{case}/pixel_values"], rtol=0,
-                               atol=1e-6)
-    ids, _ = policy._prompt_ids(obs)
-    assert ids[0].tolist() == [*ref[f"{case}/input_ids"].tolist(), 29871]  # predict_action's appended piece
-    bins, _, _ = policy.act(obs, deterministic=True)
-    tokens = policy.actions.action_ids[bins.long()][0]
-    assert tokens.tolist() == ref[f"{case}/generated_ids"].tolist()
-    logits, _, _ = policy._run(obs, tokens[None, :-1])
-    np.testing.assert_allclose(logits[0, -7:, LOGIT_IDS].numpy(), ref[f"{case}/logits"], rtol=0, atol=1e-5)
-    np.testing.assert_allclose(policy.actions.decode(tokens).numpy(), ref[f"{case}/action"], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(policy.to_env(bins)[0].numpy(), ref[f"{case}/env_action"], rtol=0, atol=1e-6)
+    openvla_matches_upstream(policy, ref, case, LOGIT_IDS)
 
 
 # -- OpenVLA-OFT -------------------------------------------------------------------------------------
@@ -109,18 +94,7 @@ def test_oft_l1_acts_as_upstream_get_vla_action(oft_l1, case):
     frames = adapted(policy, case, raw_frames(case, 2))
     assert all(np.array_equal(a, b) for a, b in zip(frames, ref[f"{case}/images"], strict=True))
     obs = observation(frames, str(ref[f"{case}/instruction"]), ref[f"{case}/state"])
-    saved, policy.adapter = policy.adapter, type(policy.adapter)(gripper=policy.adapter.gripper)
-    try:
-        np.testing.assert_allclose(policy._pixel_values(obs, "cpu")[0].numpy(), ref[f"{case}/pixel_values"],
-                                   rtol=0, atol=1e-6)
-        np.testing.assert_allclose(policy._proprio(obs["state"].double())[0].numpy(), ref[f"{case}/proprio"],
-                                   rtol=0, atol=1e-6)
-        _, hidden, _ = policy._forward(obs)
-        np.testing.assert_allclose(hidden[0].numpy(), ref[f"{case}/actions_hidden_states"], rtol=0, atol=1e-5)
-        chunk, _, _ = policy.act(obs, deterministic=True)
-        env_chunk = policy.to_env(chunk)[0].numpy()
-    finally:
-        policy.adapter = saved
+    chunk, env_chunk = l1_oft_matches_upstream(policy, obs, ref, case)
     assert env_chunk.shape == (8, 7)
     # the L1 head's output of hidden states matched at 1e-5: float32 rounding (1.8e-6 with this venv's wheels)
     np.testing.assert_allclose(policy.actions.unnormalize(chunk.unflatten(-1, (8, 7)))[0].numpy(),
