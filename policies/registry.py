@@ -39,7 +39,7 @@ def check_policy_config(policy_cfg, action_dim: int | None = None) -> list[str]:
         from policies.vla.policy import require_model_dir
 
         require_model_dir(policy_cfg.model_path, "the model")
-    return POLICIES.get(policy_cfg.name).check_config(policy_cfg, action_dim) or []
+    return POLICIES.get(policy_cfg.name).check_config(policy_cfg, action_dim)
 
 
 def check_policy_observations(policy_cfg, obs_spec: dict, action_dim: int) -> None:
