@@ -12,8 +12,8 @@ from embodied.config import TrainConfig
 from embodied.workers.rollout_worker import BOOTSTRAP_MASKS
 from envs.chunking import episode_decisions
 from envs.common import UserError, unknown_name_error
-from envs.registry import check_env_config, env_action_dim, env_episode_steps, seed_scheme
-from policies.registry import check_policy_config
+from envs.registry import check_env_config, env_action_dim, env_episode_steps, env_obs_keys, seed_scheme
+from policies.registry import check_policy_config, check_policy_observations
 from scheduler.data_parallel import resolve_strategy
 from scheduler.layout import BatchLayout
 from scheduler.placement import check_placement
@@ -25,6 +25,7 @@ def check_run_config(cfg: TrainConfig) -> list[str]:
     check_env_config(cfg.env)
     seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)  # eval.tasks is checked now, not after training
     notes = check_policy_config(cfg.policy, env_action_dim(cfg.env))
+    _check_policy_sees_what_it_needs(cfg)
     for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
                            (BOOTSTRAP_MASKS, cfg.algorithm.bootstrap),
                            (LOGPROB_LEVELS, cfg.algorithm.logprob_level),
@@ -37,6 +38,15 @@ def check_run_config(cfg: TrainConfig) -> list[str]:
     _check_critic(cfg)
     _check_episode_fits(cfg)
     return notes
+
+
+def _check_policy_sees_what_it_needs(cfg: TrainConfig) -> None:
+    """The policy against the observation keys the env will have (its cameras, a proprio state of the
+    checkpoint's size), where the backend knows them without building an env; ``Workers`` checks the
+    full spec again once the env workers report it."""
+    keys = env_obs_keys(cfg.env)
+    if keys is not None:
+        check_policy_observations(cfg.policy, {k: (shape, None) for k, shape in keys.items()}, env_action_dim(cfg.env))
 
 
 def _check_groups(cfg: TrainConfig) -> None:

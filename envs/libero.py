@@ -265,8 +265,15 @@ def validate_libero(cfg) -> None:
                         "(agentview + wrist images) or 'state' (no cameras, no rendering).")
 
 
+def libero_obs_keys(cfg) -> dict[str, tuple[int, ...] | None]:
+    """What :class:`LiberoEnv` observes, known from the config alone (the instruction's width needs
+    the suite's task list, which is loaded only with an env)."""
+    cameras = {"rgb": (cfg.image_size, cfg.image_size, 3), "wrist_rgb": (cfg.image_size, cfg.image_size, 3)}
+    return {**(cameras if cfg.obs_mode == "rgb" else {}), "state": (8,), "task": None, "instruction": None}
+
+
 @register_env("libero", validate=validate_libero, seeds=LiberoSeeds(), action_dim=lambda cfg: 7,
-              episode_steps=lambda cfg: cfg.max_episode_steps or MAX_STEPS[cfg.task])
+              episode_steps=lambda cfg: cfg.max_episode_steps or MAX_STEPS[cfg.task], obs_keys=libero_obs_keys)
 def make_libero(cfg, num_envs: int, num_procs: int):
     """One LIBERO env per process (``num_procs`` is raised to ``num_envs``: MuJoCo scenes are
     heavy and render on the CPU, so envs never share a process)."""

@@ -285,8 +285,16 @@ def panda_action_dim(cfg) -> int | None:
     return PANDA_ACTION_DIMS.get(cfg.control_mode) if cfg.task in INSTRUCTIONS else None
 
 
+def maniskill_obs_keys(cfg) -> dict[str, tuple[int, ...] | None]:
+    """What the ManiSkill env observes, known from the config alone (the state's size is the task's)."""
+    if cfg.obs_mode != "rgb":
+        return {"state": None}
+    return {"rgb": (cfg.image_size, cfg.image_size, 3), "state": None, "instruction": None}
+
+
 @register_env("maniskill", validate=validate_maniskill, action_dim=panda_action_dim,
-              episode_steps=lambda cfg: cfg.max_episode_steps or default_max_episode_steps(cfg.task))
+              episode_steps=lambda cfg: cfg.max_episode_steps or default_max_episode_steps(cfg.task),
+              obs_keys=maniskill_obs_keys)
 def make_maniskill(cfg, num_envs: int, num_procs: int):
     """Build a ManiSkill VecEnv from an :class:`~embodied.config.EnvConfig`."""
     cuda = torch.cuda.is_available()

@@ -52,6 +52,8 @@ class SeedScheme:
 ENV_SEED_SCHEMES: dict[str, SeedScheme] = {}
 ENV_ACTION_DIMS: dict[str, Callable] = {}  # backend -> action_dim(env_cfg), known without building the env
 ENV_EPISODE_STEPS: dict[str, Callable] = {}  # backend -> max_episode_steps(env_cfg), the same
+# backend -> obs_keys(env_cfg): {observation key: its shape, or None where only a built env knows it}
+ENV_OBS_KEYS: dict[str, Callable] = {}
 
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
@@ -59,11 +61,13 @@ _BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero"}
 
 
 def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None,
-                 action_dim: Callable | None = None, episode_steps: Callable | None = None) -> Callable:
+                 action_dim: Callable | None = None, episode_steps: Callable | None = None,
+                 obs_keys: Callable | None = None) -> Callable:
     """Register a backend; ``validate(env_cfg)`` raises UserError for bad names before any sim
     starts; ``seeds`` says how its episodes are named by seeds (default :class:`SeedScheme`);
-    ``action_dim(env_cfg)`` and ``episode_steps(env_cfg)`` are the action size and the episode's
-    step limit where they are known without building an env (else None)."""
+    ``action_dim(env_cfg)``, ``episode_steps(env_cfg)`` and ``obs_keys(env_cfg)`` are the action
+    size, the episode's step limit and the observation keys (with the shapes known) where they are
+    known without building an env (else None)."""
 
     def decorator(fn: Callable) -> Callable:
         ENV_BACKENDS[name] = fn
@@ -72,6 +76,8 @@ def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme 
             ENV_ACTION_DIMS[name] = action_dim
         if episode_steps is not None:
             ENV_EPISODE_STEPS[name] = episode_steps
+        if obs_keys is not None:
+            ENV_OBS_KEYS[name] = obs_keys
         if validate is not None:
             ENV_VALIDATORS[name] = validate
         return fn
@@ -102,6 +108,15 @@ def env_episode_steps(env_cfg) -> int | None:
     """The env's episode step limit (simulator steps) before any env starts, or None."""
     _load_backend(env_cfg)
     known = ENV_EPISODE_STEPS.get(env_cfg.backend)
+    return known(env_cfg) if known else None
+
+
+def env_obs_keys(env_cfg) -> dict[str, tuple[int, ...] | None] | None:
+    """The env's observation keys before any env starts, each with its shape where that is known
+    without building it (None: only a built env knows), so a policy that needs a camera or a state
+    the env lacks fails before Ray starts. None where the backend cannot say."""
+    _load_backend(env_cfg)
+    known = ENV_OBS_KEYS.get(env_cfg.backend)
     return known(env_cfg) if known else None
 
 

@@ -189,6 +189,8 @@ CHECKPOINT_CASES = {
         "eval", "openvla_oft_aloha_tiny", None, ["env=libero_spatial", "policy=openvla_oft_7b_aloha",
                                                  "policy.unnorm_key=aloha1_put_x_into_pot_300_demos"],
         ["14-dim actions", "7-dim"]),
+    "a camera the env does not render": ("eval", "openvla_oft_l1_tiny", None, [*LIBERO_OFT,
+                                          "policy.cameras=[rgb,left_wrist_rgb]"], ["left_wrist_rgb", "wrist_rgb"]),
     # an unnorm_key the statistics lack, or statistics of another action size: the same path, tested in-process
     # (tests/test_reference_parity.py::test_checkpoint_statistics_are_checked_before_any_worker_starts)
 }

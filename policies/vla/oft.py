@@ -198,8 +198,10 @@ def check_proprio_state(obs_spec: dict, saved: OFTCheckpoint | None) -> None:
     if "state" not in obs_spec:
         raise UserError("policy.proprio=true needs a `state` observation; this env has none "
                         f"(it has {sorted(obs_spec)}). Set policy.proprio=false.")
-    state_dim = obs_spec["state"][0][0]
-    if saved is not None and saved.proprio_stats is not None and len(saved.proprio_stats.low) != state_dim:
+    shape = obs_spec["state"][0]  # None: the env's state size is known only once it is built
+    state_dim = None if shape is None else shape[0]
+    if (state_dim is not None and saved is not None and saved.proprio_stats is not None
+            and len(saved.proprio_stats.low) != state_dim):
         raise UserError(f"policy.proprio=true: the env's state is {state_dim}-dim, but {saved.model_dir}'s proprio "
                         f"statistics are {len(saved.proprio_stats.low)}-dim (OFT's LIBERO checkpoints take 8, its "
                         "ALOHA ones 14). Use an env whose state matches, or policy.proprio=false.")
