@@ -54,7 +54,15 @@ def _check_groups(cfg: TrainConfig) -> None:
     algo = cfg.algorithm
     if algo.advantage not in OUTCOME_ADVANTAGES or cfg.placement.mode == "auto":  # auto: the planner checks
         return
-    micro_batch = BatchLayout(cfg.env.num_envs, cfg.placement.env_workers, cfg.placement.pipeline_stages).stage_size
+    placement = cfg.placement
+    micro_batch = BatchLayout(cfg.env.num_envs, placement.env_workers, placement.pipeline_stages).stage_size
+    if algo.group_size >= 2 and micro_batch < algo.group_size:  # too few envs for one group: add envs
+        envs = algo.group_size * placement.env_workers * placement.pipeline_stages
+        raise UserError(f"algorithm.group_size={algo.group_size}: GRPO compares the {algo.group_size} envs of a group, "
+                        f"all in one micro-batch, but env.num_envs={cfg.env.num_envs} over placement.env_workers="
+                        f"{placement.env_workers} x placement.pipeline_stages={placement.pipeline_stages} gives "
+                        f"{micro_batch} env(s) per micro-batch. Set env.num_envs={envs} (or a multiple), or a "
+                        f"smaller algorithm.group_size (>= 2).")
     if algo.group_size < 2 or micro_batch % algo.group_size:
         raise UserError(f"algorithm.group_size={algo.group_size}: GRPO compares the envs of a group, so it "
                         f"needs at least 2 per group, and groups must not span env workers or pipeline "
@@ -78,18 +86,9 @@ def _check_final_weights(cfg: TrainConfig) -> None:
 
 
 def _check_critic(cfg: TrainConfig) -> None:
-    """Critic warm-up trains a value function (GRPO, vf_coef 0, has none); critic_lr is a rate;
-    kl_coef a weight."""
+    """Critic warm-up trains a value function: GRPO (and vf_coef 0) has none. (Its count, critic_lr
+    and kl_coef are range-checked with every numeric key: embodied/config.py.)"""
     algo = cfg.algorithm
-    if algo.critic_warmup_iterations < 0:
-        raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations}: it counts "
-                        "updates, so it must be 0 (no warm-up) or more.")
-    if algo.critic_lr is not None and algo.critic_lr <= 0:
-        raise UserError(f"algorithm.critic_lr={algo.critic_lr}: a learning rate must be > 0 "
-                        "(or null: the critic learns at algorithm.lr).")
-    if algo.kl_coef < 0:
-        raise UserError(f"algorithm.kl_coef={algo.kl_coef}: a penalty weight must be >= 0 "
-                        "(0: no KL term; GRPO papers use 0.001-0.04).")
     if algo.critic_warmup_iterations and (algo.vf_coef == 0 or algo.advantage in OUTCOME_ADVANTAGES):
         raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations} trains only the "
                         f"value function, but algorithm={algo.name} (advantage {algo.advantage}, vf_coef "

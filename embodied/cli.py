@@ -473,6 +473,36 @@ def _explain_failed_start(report: str) -> tuple[str, int]:
     return f"A worker failed to start: {lines[-1]}\nCheck {check}; the traceback is above.", EXIT_ENV_CRASH
 
 
+def _commands(args) -> dict:
+    """The command name -> what runs it, with the parsed arguments."""
+    return {
+        "train": lambda: cmd_train(args.overrides, print_cfg=args.cfg == "job"),
+        "sft": lambda: cmd_sft(args.overrides),
+        "eval": lambda: cmd_eval(args.overrides),
+        "evals": lambda: cmd_evals(args.overrides),
+        "record": lambda: cmd_record(args.overrides),
+        "bench": lambda: cmd_bench(args.overrides, args.json, args.iterations),
+        "plan": lambda: cmd_plan(args.overrides, args.devices, args.profile, args.json, args.devices_per_node,
+                                 args.network_gbps),
+        "chaos": lambda: cmd_chaos(args.overrides, args.faults, args.chaos_seed, args.targets, args.reference),
+        "check-render": cmd_check_render,
+        "setup-render": cmd_setup_render,
+    }
+
+
+COMPOSED_COMMANDS = ("train", "sft", "eval", "record", "plan", "chaos")  # the ones that run a composed config
+
+
+def cmd_print_config(command: str, overrides: list[str]) -> int:
+    """``embodied <command> --cfg job``: print the config the command would run (every key), run nothing."""
+    if command not in COMPOSED_COMMANDS:
+        raise UserError(f"--cfg job prints the config a command runs; `embodied {command}` runs none. Use it with "
+                        f"{', '.join(COMPOSED_COMMANDS)}.")
+    cfg = _checkpointed(overrides)[0] if command in ("eval", "record") else compose(overrides)
+    print(to_yaml(cfg))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet()
     parser = argparse.ArgumentParser(prog="embodied", description=__doc__,
@@ -495,19 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
                         "(bench: the benchmark name first, e.g. `embodied bench pipeline`)")
     args = parser.parse_intermixed_args(argv)
-    commands = {
-        "train": lambda: cmd_train(args.overrides, print_cfg=args.cfg == "job"),
-        "sft": lambda: cmd_sft(args.overrides),
-        "eval": lambda: cmd_eval(args.overrides),
-        "evals": lambda: cmd_evals(args.overrides),
-        "record": lambda: cmd_record(args.overrides),
-        "bench": lambda: cmd_bench(args.overrides, args.json, args.iterations),
-        "plan": lambda: cmd_plan(args.overrides, args.devices, args.profile, args.json, args.devices_per_node,
-                                 args.network_gbps),
-        "chaos": lambda: cmd_chaos(args.overrides, args.faults, args.chaos_seed, args.targets, args.reference),
-        "check-render": cmd_check_render,
-        "setup-render": cmd_setup_render,
-    }
+    if args.cfg == "job" and args.command != "train":  # train prints it itself (resume= reloads a saved config)
+        commands = {args.command: lambda: cmd_print_config(args.command, args.overrides)}
+    else:
+        commands = _commands(args)
     try:
         return commands[args.command]()
     except Exception as err:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +23,31 @@ from envs.common import UserError, unknown_name_error
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may take: from ``low`` (excluded when ``above``) to ``high``; None: open."""
+
+    low: float | None = None
+    high: float | None = None
+    above: bool = False
+
+    def holds(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.above else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.above else '>='} {self.low:g}"
+        return f"in {'(' if self.above else '['}{self.low:g}, {self.high:g}]"
+
+
+def ranged(default, low: float | None = None, high: float | None = None, *, above: bool = False):
+    """A numeric key's default and the range its values must lie in (:func:`check_ranges`; None is
+    always allowed where the type allows it)."""
+    return field(default=default, metadata={"range": Range(low, high, above)})
+
+
 @dataclass
 class EnvConfig:
     backend: str = "maniskill"  # env backend registered in envs/registry.py
@@ -30,13 +55,13 @@ class EnvConfig:
     obs_mode: str = "state"  # "state" or "rgb" (camera image + proprioception)
     control_mode: str = "pd_joint_delta_pos"
     reward_mode: str = "normalized_dense"
-    max_episode_steps: int | None = None  # None: the task's own limit
-    num_envs: int = 128  # parallel envs in total (split over placement.env_workers)
-    num_procs: int = 0  # sim processes per env worker; 0 = step in the worker itself
+    max_episode_steps: int | None = ranged(None, 1)  # None: the task's own limit
+    num_envs: int = ranged(128, 1)  # parallel envs in total (split over placement.env_workers)
+    num_procs: int = ranged(0, 0)  # sim processes per env worker; 0 = step in the worker itself
     sim_backend: str = "auto"  # "physx_cpu" | "physx_cuda" | "auto" (cuda if available)
-    image_size: int = 128  # camera resolution for obs_mode=rgb
-    render_size: int = 256  # resolution of recorded videos
-    timeout_s: float = 120.0  # an env process silent this long is reported as hung
+    image_size: int = ranged(128, 8)  # camera resolution for obs_mode=rgb
+    render_size: int = ranged(256, 8)  # resolution of recorded videos
+    timeout_s: float = ranged(120.0, 0, above=True)  # an env process silent this long is reported as hung
     # replace an env process that dies or hangs: its episodes end as failed (error) and the run
     # goes on; False: the run stops with a checkpoint and a message (exit code 3)
     restart_crashed: bool = False
@@ -51,9 +76,9 @@ class PolicyConfig:
     name: str = "mlp"  # registered in policies/registry.py
     hidden_sizes: list[int] = field(default_factory=lambda: [256, 256, 256])
     activation: str = "tanh"
-    log_std_init: float = -0.5  # initial log std of the Gaussian action distribution
+    log_std_init: float = ranged(-0.5)  # initial log std of the Gaussian action distribution (any value)
     cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 64])  # cnn only
-    feature_dim: int = 256  # cnn only: image embedding size
+    feature_dim: int = ranged(256, 1)  # cnn only: image embedding size
     # mlp_tokens only: how the trunk gives the 256 bin logits of each action token (policies/mlp_tokens.py):
     # "gaussian" (a Gaussian's log-density at the bins: learns from scratch as policy=mlp does) or
     # "logits" (free, as a VLA's LM head: from scratch, far slower; docs/results/rl_from_scratch)
@@ -61,11 +86,12 @@ class PolicyConfig:
     # VLA policies (policies/vla/)
     model_path: str | None = None  # a save_pretrained directory (model + tokenizer); None: a tiny model from scratch
     dtype: str = "float32"  # VLAs: the weights' dtype once loaded: float32 | bfloat16 (checkpoints ship bf16)
-    image_size: int = 64  # tiny VLAs: the vision backbones' input size
-    temperature: float = 1.0  # action-token sampling temperature in training rollouts (evaluation is greedy)
+    image_size: int = ranged(64, 1)  # tiny VLAs: the vision backbones' input size
+    # action-token sampling temperature in training rollouts (evaluation is greedy)
+    temperature: float = ranged(1.0, 0, above=True)
     instruction: str = ""  # the language instruction where the env gives none (ManiSkill tasks)
-    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen
-    chunk_size: int = 1  # VLAs: actions per decision (an action chunk, executed open loop by the env worker)
+    lora_rank: int = ranged(0, 0)  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen
+    chunk_size: int = ranged(1, 1)  # VLAs: actions per decision (an action chunk, executed open loop by the env worker)
     unnorm_key: str | None = None  # OpenVLA checkpoints: whose norm_stats un-normalise actions (optional if one)
     # VLA checkpoints: which statistics map actions (and OFT's proprio) to [-1, 1], upstream's NormalizationType:
     # bounds_q99 (q01 / q99: OpenVLA; OFT on LIBERO, Bridge) or bounds (min / max: OFT on ALOHA). Checkpoints do
@@ -78,8 +104,10 @@ class PolicyConfig:
     # VLAs: how the checkpoint family wants inputs and actions (policies/vla/adapters.py; each published
     # family's values: docs/vla_checkpoints.md and its configs/policy/*.yaml)
     mirror_images: bool = False  # mirror frames left-right (LIBERO-trained OpenVLA/OFT: raw frame rotated 180 deg)
-    dataset_resize: int | None = None  # JPEG round trip + lanczos3 resize to this size first (their RLDS data: 224)
-    center_crop: float | None = None  # keep this central fraction of the area, resized back (random-crop training: 0.9)
+    # JPEG round trip + lanczos3 resize to this size first (their RLDS data: 224)
+    dataset_resize: int | None = ranged(None, 1)
+    # keep this central fraction of the area, resized back (random-crop training: 0.9)
+    center_crop: float | None = ranged(None, 0, 1, above=True)
     gripper: str = "none"  # the last action dim: none | libero ([0, 1] -> [-1, 1], binarise, invert)
 
 
@@ -88,22 +116,23 @@ class AlgorithmConfig:
     name: str = "ppo"
     advantage: str = "gae"  # registered in embodied/algorithms/advantages.py
     loss: str = "ppo"  # registered in embodied/algorithms/losses.py
-    lr: float = 3e-4
+    lr: float = ranged(3e-4, 0, above=True)
     anneal_lr: bool = False  # linearly decay lr to 0 over runner.total_env_steps
-    gamma: float = 0.8
-    gae_lambda: float = 0.9
+    gamma: float = ranged(0.8, 0, 1)
+    gae_lambda: float = ranged(0.9, 0, 1)
     # decisions per env per iteration (env steps; action chunks of chunk_size steps for chunked VLAs);
     # None: one episode, the env's max_episode_steps
-    rollout_steps: int | None = 25
-    update_epochs: int = 8
-    num_minibatches: int = 16
-    clip_coef: float = 0.2
-    clip_coef_high: float | None = None  # upper ratio clip 1 + this (asymmetric, "clip-higher"); None: clip_coef
+    rollout_steps: int | None = ranged(25, 1)
+    update_epochs: int = ranged(8, 1)
+    num_minibatches: int = ranged(16, 1)
+    clip_coef: float = ranged(0.2, 0, above=True)
+    # upper ratio clip 1 + this (asymmetric, "clip-higher"); None: clip_coef
+    clip_coef_high: float | None = ranged(None, 0, above=True)
     clip_vloss: bool = False
-    vf_coef: float = 0.5
-    ent_coef: float = 0.0
-    max_grad_norm: float = 0.5
-    target_kl: float | None = 0.1  # stop an update's epochs early past this KL
+    vf_coef: float = ranged(0.5, 0)
+    ent_coef: float = ranged(0.0)  # entropy bonus weight (any sign)
+    max_grad_norm: float = ranged(0.5, 0, above=True)
+    target_kl: float | None = ranged(0.1, 0, above=True)  # stop an update's epochs early past this KL
     normalize_advantages: bool = True
     # what one PPO ratio covers for token policies (VLAs): "token" (one ratio per action token),
     # "action" (the sum over an action's tokens) or "chunk" (over a whole action chunk); a Gaussian
@@ -116,7 +145,7 @@ class AlgorithmConfig:
     # GRPO (advantage: grpo): envs per group. Every iteration the envs are reset, a group's envs
     # from one initial state (one seed), and each env's first episode is scored by its outcome
     # (its return) against its group's: A = (R - mean) / (std + 1e-6); later steps are not trained on
-    group_size: int = 1
+    group_size: int = ranged(1, 1)
     filter_uniform_groups: bool = False  # GRPO: drop groups whose episodes all scored the same (A = 0)
     # GRPO: "episode" weighs every episode the same in the loss (the GRPO paper's 1/|o_i|), "step"
     # every step (DAPO's token-level sum: long, usually failed, episodes count more)
@@ -124,12 +153,12 @@ class AlgorithmConfig:
     # PPO from a warm start: the first N updates train only the critic (no policy loss; only the
     # policy's critic parameters step), so a fresh value head's random advantages never move the
     # warm-started actor. 0: actor and critic from the first update
-    critic_warmup_iterations: int = 0
+    critic_warmup_iterations: int = ranged(0, 0)
     # learning rate of the critic's own parameters (a VLA's new value head needs a far larger one than
     # the fine-tuned backbone); None: algorithm.lr. anneal_lr scales both alike
-    critic_lr: float | None = None
+    critic_lr: float | None = ranged(None, 0, above=True)
     # beta of a KL(policy || warm start) penalty on the sampled actions' log-probs (0: none)
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, 0)
 
 
 @dataclass
@@ -140,9 +169,10 @@ class PlacementConfig:
     # stages, plan with the cost model and run the fastest plan (scheduler/auto.py)
     mode: str = "colocated"
     profile_dir: str = "runs/profiles"  # mode auto: where measured profiles are cached
-    env_workers: int = 2  # Ray actors that step simulators
-    rollout_workers: int = 1  # Ray actors that run policy inference
-    actor_workers: int = 1  # Ray actors that train, data-parallel (one device each, scheduler/data_parallel.py)
+    env_workers: int = ranged(2, 1)  # Ray actors that step simulators
+    rollout_workers: int = ranged(1, 1)  # Ray actors that run policy inference
+    # Ray actors that train, data-parallel (one device each, scheduler/data_parallel.py)
+    actor_workers: int = ranged(1, 1)
     # how several actor ranks keep one policy: "replicate" (a whole copy each, gradients all-reduced),
     # "fsdp" (FSDP2: weights, gradients and Adam state sharded) or "auto" (fsdp from 100M parameters)
     data_parallel: str = "auto"
@@ -151,7 +181,7 @@ class PlacementConfig:
     actor: str = "0"
     # micro-batches per env worker: the simulator steps one while the policy infers on another
     # (needs env and rollout on different devices: mode hybrid or disaggregated)
-    pipeline_stages: int = 1
+    pipeline_stages: int = ranged(1, 1)
     # move the actor's weights and optimizer state off a device it shares while the others run:
     # "auto" (on GPUs only: CPU slots share one host memory), "always" or "never"
     offload: str = "auto"
@@ -162,75 +192,76 @@ class PlacementConfig:
     # pin each worker to the core of its CPU slot (CPU clusters): a group then really has only
     # its devices, as on GPUs. Off by default: unpinned workers borrow idle cores
     pin_cpus: bool = False
-    torch_threads: int = 1  # intra-op threads per worker (2 cores: keep 1)
+    torch_threads: int = ranged(1, 1)  # intra-op threads per worker (2 cores: keep 1)
     # intra-op threads of the actor while it updates (the sims are idle then; CPU actor ranks on one node split them)
-    actor_threads: int = 2
+    actor_threads: int = ranged(2, 1)
 
 
 @dataclass
 class RayConfig:
     address: str | None = None  # None: start a local cluster; else join this one
-    num_cpus: int | None = None  # CPU slots of the local cluster (default: all cores)
-    num_gpus: int | None = None
+    num_cpus: int | None = ranged(None, 1)  # CPU slots of the local cluster (default: all cores)
+    num_gpus: int | None = ranged(None, 0)
 
 
 @dataclass
 class EvalConfig:
-    episodes: int = 100  # ManiSkill: episodes, seeds seed, seed + 1, ... (LIBERO: see trials_per_task)
-    seed: int = 1_000_000  # ManiSkill: episode k is reset with seed + k
-    trials_per_task: int = 50  # LIBERO: episodes per task, from its first N stored init states (50 = all)
+    episodes: int = ranged(100, 1)  # ManiSkill: episodes, seeds seed, seed + 1, ... (LIBERO: see trials_per_task)
+    seed: int = ranged(1_000_000, 0)  # ManiSkill: episode k is reset with seed + k
+    trials_per_task: int = ranged(50, 1)  # LIBERO: episodes per task, from its first N stored init states (50 = all)
     tasks: list[int] | None = None  # LIBERO: only these task indices (None: the whole suite, the published protocol)
     deterministic: bool = True  # mean action instead of a sample (else a sample from noise seeded by the episode)
     # rebuild each env's scene at every evaluation reset (ManiSkill's protocol), so an episode depends
     # only on its seed and the weights; false saves ~0.3 s per env and evaluation on CPU, but the
     # simulator's leftovers from training then change some episodes (docs/seeds.md)
     reconfigure: bool = True
-    video_episodes: int = 2  # videos recorded by `train` at its end and by `record`
-    videos_per_task: int = 1  # `eval`: videos of each task's first episodes, recorded during the eval
+    video_episodes: int = ranged(2, 0)  # videos recorded by `train` at its end and by `record`
+    videos_per_task: int = ranged(1, 0)  # `eval`: videos of each task's first episodes, recorded during the eval
 
 
 @dataclass
 class SFTConfig:
     """``embodied sft``: supervised warm start on motion-planner demonstrations (envs/demos.py)."""
 
-    demos: int = 100  # successful demos to record (cached under demos_dir)
-    demo_seed: int = 2_000_000  # demo k is planned from reset seed demo_seed + k (disjoint from eval seeds)
+    demos: int = ranged(100, 1)  # successful demos to record (cached under demos_dir)
+    demo_seed: int = ranged(2_000_000, 0)  # demo k is planned from reset seed demo_seed + k (disjoint from eval seeds)
     demos_dir: str = "runs/demos"
-    epochs: int = 10
-    batch_size: int = 64
-    lr: float = 3e-4
+    epochs: int = ranged(10, 1)
+    batch_size: int = ranged(64, 1)
+    lr: float = ranged(3e-4, 0, above=True)
 
 
 @dataclass
 class RunnerConfig:
-    total_env_steps: int = 1_000_000
-    max_minutes: float | None = 28  # stop training after this wall-clock budget (None: no limit)
+    total_env_steps: int = ranged(1_000_000, 1)
+    max_minutes: float | None = ranged(28, 0, above=True)  # stop training after this wall-clock budget (None: no limit)
     # iterations between validation evaluations on episodes of their own seed stream, never the
     # final evaluation's or training's (envs/seeds.py; 0: only the final evaluation)
-    eval_every: int = 10
-    validation_episodes: int | None = None  # episodes of each periodic evaluation (None: env.num_envs)
+    eval_every: int = ranged(10, 0)
+    validation_episodes: int | None = ranged(None, 1)  # episodes of each periodic evaluation (None: env.num_envs)
     # the weights train evaluates and records at its end: "last" (the final ones) or "best" (those
     # of the best periodic validation, kept as checkpoints/best.pt; needs eval_every > 0). RL on a
     # warm-started policy can peak mid-run: "best" picks the peak on seeds the final eval never sees
     final_weights: str = "last"
-    stop_at_success: float | None = 0.98  # stop once periodic evaluations reach this success_once (None: never) ...
-    stop_patience: int = 2  # ... this many times in a row (PPO oscillates: one lucky eval is not enough)
-    checkpoint_every: int = 10  # iterations between checkpoints
-    seed: int = 1  # every random stream of the run derives from it and its purpose (envs/seeds.py)
+    # stop once periodic evaluations reach this success_once (None: never) ...
+    stop_at_success: float | None = ranged(0.98, 0, 1, above=True)
+    stop_patience: int = ranged(2, 1)  # ... this many times in a row (PPO oscillates: one lucky eval is not enough)
+    checkpoint_every: int = ranged(10, 1)  # iterations between checkpoints
+    seed: int = ranged(1, 0)  # every random stream of the run derives from it and its purpose (envs/seeds.py)
     run_dir: str | None = None  # None: runs/<task>-<policy>-<timestamp>
     progress: bool = True  # progress bar on stderr
     # a remote call the runner waits on (a rollout, an update, an evaluation round, ...) fails as hung after
     # max(call_deadline_floor_s, call_deadline_factor x its slowest recent duration), or after call_deadline_s
     # if set; a call not yet measured gets first_call_deadline_s (it pays for imports and renderer set-up)
-    call_deadline_floor_s: float = 60.0
-    call_deadline_factor: float = 5.0
-    call_deadline_s: float | None = None
-    first_call_deadline_s: float = 900.0
+    call_deadline_floor_s: float = ranged(60.0, 0, above=True)
+    call_deadline_factor: float = ranged(5.0, 1)
+    call_deadline_s: float | None = ranged(None, 0, above=True)
+    first_call_deadline_s: float = ranged(900.0, 0, above=True)
     # a worker that dies or hangs is replaced (an actor rank: its group restarts from the last checkpoint)
     # and the run goes on; more than max_worker_restarts restarts of one group within restart_window_minutes
     # stop the run with a checkpoint written then and exit code 3
-    max_worker_restarts: int = 5
-    restart_window_minutes: float = 60.0
+    max_worker_restarts: int = ranged(5, 0)
+    restart_window_minutes: float = ranged(60.0, 0, above=True)
 
 
 @dataclass
@@ -335,7 +366,23 @@ def validate(raw: DictConfig | dict) -> TrainConfig:
             raise unknown_key_error(key) from None
         raise UserError(f"Invalid config value for '{key}': {str(err).splitlines()[0]}. "
                         "Fix the override or the yaml file that sets it.") from None
-    return OmegaConf.to_object(merged)
+    cfg = OmegaConf.to_object(merged)
+    check_ranges(cfg)
+    return cfg
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """A UserError for the first numeric key outside its range (the ``ranged`` fields above)."""
+    for section in fields(cfg):
+        part = getattr(cfg, section.name)
+        if not is_dataclass(part):
+            continue
+        for key in fields(part):
+            allowed, value = key.metadata.get("range"), getattr(part, key.name)
+            if allowed is not None and value is not None and not allowed.holds(value):
+                raise UserError(f"{section.name}.{key.name}={value} is out of range: it must be {allowed.describe()} "
+                                f"({type(part).__name__} in embodied/config.py says what it means). Fix the "
+                                "override or the yaml file that sets it.")
 
 
 def to_yaml(cfg: TrainConfig) -> str:

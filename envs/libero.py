@@ -240,7 +240,12 @@ class LiberoSeeds(SeedScheme):
             raise UserError(f"eval.trials_per_task={eval_cfg.trials_per_task}: run at least 1 trial per task.")
         counts = init_state_counts(env_cfg.task)
         tasks = range(len(counts)) if eval_cfg.tasks is None else _task_subset(eval_cfg.tasks, env_cfg.task)
-        return [episode_seed(t, i) for t in tasks for i in range(min(eval_cfg.trials_per_task, counts[t]))]
+        stored = min(counts[t] for t in tasks)
+        if eval_cfg.trials_per_task > stored:  # a trial is a stored init state: there are no more to run
+            raise UserError(f"eval.trials_per_task={eval_cfg.trials_per_task}: {env_cfg.task} stores {stored} init "
+                            f"states per task, and each trial is one of them. Set eval.trials_per_task={stored} "
+                            "(the published protocol) or fewer.")
+        return [episode_seed(t, i) for t in tasks for i in range(eval_cfg.trials_per_task)]
 
     def task_of(self, env_cfg, seed: int) -> tuple[int, str]:
         task_index = decode_seed(seed)[0]

@@ -39,6 +39,15 @@ CASES = {
                                             ["eval.tasks=[3, 10]", "0..9"]),
     "task subset of a single-task env": (["train", "eval.tasks=[0]"], ["eval.tasks=[0]", "null"]),
     "no trials": (["eval", "env=libero_spatial", "eval.trials_per_task=0"], ["trials_per_task"]),
+    "more trials than stored init states": (["eval", "env=libero_spatial", "eval.trials_per_task=60"],
+                                            ["trials_per_task=60", "stores 50 init states", "trials_per_task=50"]),
+    "GRPO on LIBERO with its defaults": (["train", "env=libero_spatial", "algorithm=grpo"],
+                                         ["group_size=8", "env.num_envs=16"]),
+    "negative env count": (["eval", "env.num_envs=-4"], ["env.num_envs=-4", ">= 1"]),
+    "no envs on LIBERO": (["eval", "env=libero_spatial", "env.num_envs=0"], ["env.num_envs=0", ">= 1"]),
+    "no evaluation episodes": (["eval", "eval.episodes=0"], ["eval.episodes=0", ">= 1"]),
+    "tiny VLA images smaller than a patch": (["train", "env=maniskill_pushcube_rgb", "policy=openvla_tiny",
+                                              "policy.image_size=4"], ["policy.image_size=4", "8 px"]),
     "VLA checkpoint not there": (["train", "env=maniskill_pushcube_rgb", "policy=openvla_7b_lora"],
                                  ["checkpoints/openvla-7b", "huggingface-cli download"]),
     "SFT of a policy without tokens": (["sft", "policy=mlp", "sft.demos=1", "sft.demos_dir=/tmp/embodied-test-demos"],
@@ -189,6 +198,8 @@ CHECKPOINT_CASES = {
         "eval", "openvla_oft_aloha_tiny", None, ["env=libero_spatial", "policy=openvla_oft_7b_aloha",
                                                  "policy.unnorm_key=aloha1_put_x_into_pot_300_demos"],
         ["14-dim actions", "7-dim"]),
+    "an image size other than the checkpoint's": ("eval", "openvla_tiny", None, [*LIBERO_OPENVLA,
+                                                  "policy.image_size=100"], ["policy.image_size=100", "224 px"]),
     "a camera the env does not render": ("eval", "openvla_oft_l1_tiny", None, [*LIBERO_OFT,
                                           "policy.cameras=[rgb,left_wrist_rgb]"], ["left_wrist_rgb", "wrist_rgb"]),
     # an unnorm_key the statistics lack, or statistics of another action size: the same path, tested in-process
@@ -258,3 +269,13 @@ def test_policy_is_checked_against_the_envs_observations_before_policy_workers_s
     with pytest.raises(UserError) as err:
         check_policy_observations(compose(overrides).policy, LIBERO_OBS, 14)
     assert all(word in str(err.value) for word in words), str(err.value)
+
+
+@pytest.mark.parametrize("command", ["eval", "record", "sft", "plan"])
+def test_cfg_job_prints_the_config_of_every_command_and_runs_nothing(command, no_ray, capsys):
+    """``--cfg job`` is honoured by every command that runs a config (it once started a 500-episode eval)."""
+    from embodied.cli import main
+
+    assert main([command, "env=libero_spatial", "eval.trials_per_task=3", "--cfg", "job"]) == 0
+    printed = capsys.readouterr().out
+    assert "task: libero_spatial" in printed and "trials_per_task: 3" in printed

@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from embodied.config import CONFIG_DIR, TrainConfig, compose, config_groups
+from envs.common import UserError
 
 OPTIONS = [(group, option) for group, options in sorted(config_groups().items()) for option in options]
 
@@ -31,3 +32,40 @@ def test_a_group_option_only_holds_its_differences_from_the_defaults(group, opti
     assert not unknown, f"{group}/{option}.yaml sets keys the schema lacks: {unknown}"
     same = sorted(k for k, v in raw.items() if v == defaults[k])
     assert not same, f"{group}/{option}.yaml repeats the defaults of {same}: drop them (embodied/config.py has them)"
+
+
+def _numeric_keys() -> list[tuple[str, object]]:
+    """Every int / float key of the schema as (dotted key, its Range or None)."""
+    from dataclasses import fields
+
+    from embodied.config import TrainConfig
+
+    keys = []
+    for section in fields(TrainConfig):
+        if section.name in ("checkpoint", "resume"):
+            continue
+        for key in fields(section.default_factory()):
+            if key.type.split(" |")[0] in ("int", "float"):
+                keys.append((f"{section.name}.{key.name}", key.metadata.get("range")))
+    return keys
+
+
+def test_every_numeric_key_declares_its_range():
+    """A new numeric key must say which values it takes (``ranged`` in embodied/config.py)."""
+    assert [key for key, allowed in _numeric_keys() if allowed is None] == []
+
+
+@pytest.mark.parametrize("key, allowed", [(k, r) for k, r in _numeric_keys() if r and (r.low, r.high) != (None, None)],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_a_numeric_key_outside_its_range_is_refused_and_its_bounds_are_not(key, allowed):
+    from embodied.config import compose
+
+    if allowed.low is not None:
+        below = allowed.low if allowed.above else allowed.low - 1
+        with pytest.raises(UserError, match=f"{key}=.* is out of range: it must be"):
+            compose([f"{key}={below}"])
+        compose([f"{key}={allowed.low + 0.5 if allowed.above else allowed.low}"])  # the smallest allowed
+    if allowed.high is not None:
+        with pytest.raises(UserError, match=f"{key}=.* is out of range"):
+            compose([f"{key}={allowed.high + 1}"])
+        compose([f"{key}={allowed.high}"])

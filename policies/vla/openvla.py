@@ -190,7 +190,10 @@ class OpenVLAForActionPrediction(PreTrainedModel):
         return self.language_model(inputs_embeds=embeds, attention_mask=mask, **kwargs)
 
 
-def tiny_config(vocab_size: int, image_size: int = 64, patch: int = 8, vision_dim: int = 64,
+TINY_PATCH = 8  # the tiny models' ViT patch size (px)
+
+
+def tiny_config(vocab_size: int, image_size: int = 64, patch: int = TINY_PATCH, vision_dim: int = 64,
                 hidden: int = 128, layers: int = 2) -> OpenVLAConfig:
     """A few-million-parameter OpenVLA with the real architecture (fused DINOv2-style and
     SigLIP-style ViTs of 3 blocks, projector, Llama): for CPU runs and tests."""

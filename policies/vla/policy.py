@@ -34,7 +34,7 @@ from policies.vla.checkpoint import (
     check_normalization,
     dataset_statistics,
 )
-from policies.vla.openvla import PROMPT, OpenVLAConfig, OpenVLAForActionPrediction, read_config, tiny_config
+from policies.vla.openvla import PROMPT, TINY_PATCH, OpenVLAConfig, OpenVLAForActionPrediction, read_config, tiny_config
 from policies.vla.processor import ImageProcessing, byte_tokenizer, tokenize_prompts
 
 GENERATION_BACKENDS = ["hf", "vllm"]  # hf: this module's KV-cached decoding; vllm: vllm_backend.py
@@ -345,8 +345,18 @@ class OpenVLAPolicy(TokenVLAPolicy):
         weights_dtype(cfg.dtype)
         cls.check_normalization(cfg.normalization)
         if not cfg.model_path:
+            if cfg.image_size < TINY_PATCH:
+                raise UserError(f"policy.image_size={cfg.image_size}: the tiny {cfg.name} model's ViTs cut images "
+                                f"into {TINY_PATCH} px patches, so they need at least {TINY_PATCH} px (64 is the "
+                                "tiny configs' size). Set policy.image_size to 8 or more.")
             return []
-        return [f"policy={cfg.name} {cls.read_checkpoint(cfg, action_dim).describe()}"]
+        checkpoint = cls.read_checkpoint(cfg, action_dim)
+        size = checkpoint.config.image_sizes[0]
+        if cfg.image_size != size:
+            raise UserError(f"policy.image_size={cfg.image_size}, but {cfg.model_path}'s vision backbone takes {size} "
+                            f"px images (config.json image_sizes): a checkpoint's input size is its own. Set "
+                            f"policy.image_size={size} (the family configs do).")
+        return [f"policy={cfg.name} {checkpoint.describe()}"]
 
     def _prompt_ids(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt ids and mask ``[B, L]`` (BOS, padding, prompt). OpenVLA was trained on "Out: " then the
