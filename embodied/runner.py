@@ -559,6 +559,11 @@ class Trainer:
         episodes, trajectories, times = self.workers.rollout_steps(self.workers.steps_per_rollout, p.iteration)
         warming_up = p.iteration < self.cfg.algorithm.critic_warmup_iterations
         stats, update_times = self.workers.update(trajectories, critic_only=warming_up)
+        if stats.get("samples", 1.0) == 0:  # say it where a person looks, not only in TensorBoard
+            self.log.note("update", f"iteration {p.iteration + 1} trained on nothing: every sample was filtered out "
+                          "(GRPO with algorithm.filter_uniform_groups drops groups whose episodes all scored "
+                          "the same; all successes or all failures give no signal). Larger groups, more envs or a "
+                          "denser reward give mixed groups.")
         t2 = time.perf_counter()
         self.iteration_seconds.append(t2 - t0)
         p.iteration += 1

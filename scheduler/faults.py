@@ -28,6 +28,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from envs.common import UserError
 from scheduler.worker import WorkerGroup
 
 FAULT_KINDS = {"dead": "died", "hung": "hung", "node_failed": "was lost with its node", "crashed": "raised"}
@@ -170,6 +171,9 @@ class Watchdog:
         try:
             return {r.hex(): value for r, value in zip(refs, ray.get(refs), strict=True)}
         except (RayActorError, RayTaskError) as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, UserError):  # bad input a worker found: the same on every retry, so not a fault
+                raise UserError(str(cause)) from None
             raise self._failure(call, [], _first_line(err), error=err) from None
 
     # -- diagnosis ----------------------------------------------------------------------

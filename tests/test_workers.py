@@ -7,6 +7,7 @@ import cloudpickle
 import pytest
 
 import tests.test_workers as this_module
+from envs.common import UserError
 from scheduler.channel import Channel
 from scheduler.cluster import cluster_devices
 from scheduler.placement import make_plan
@@ -30,6 +31,9 @@ class EchoWorker(Worker):
 
     def consume(self, channel: Channel, source: int, n: int) -> list:
         return [channel.get(key=("to", source), timeout=60) for _ in range(n)]
+
+    def refuse(self) -> None:
+        raise UserError("policy.image_size=4: too small (bad input a worker found)")
 
 
 class PinnedWorker(Worker):
@@ -122,3 +126,19 @@ def test_channel_passes_small_items_by_value_and_large_by_reference(ray_cluster)
         assert index == i
         expected = small if i % 3 else large
         assert all(np.array_equal(item[k], expected[k]) for k in expected)
+
+
+def test_bad_input_a_worker_finds_is_a_user_error_not_a_fault_to_retry(ray_cluster, plan):
+    """A UserError raised in a worker's call comes back as that UserError (the CLI's exit 2), never as
+    a WorkerFailure, which the runner would answer by replacing workers and trying again."""
+    from scheduler.faults import Deadlines, Watchdog, WorkerFailure
+
+    group = WorkerGroup(EchoWorker, "env", plan, offset=0)
+    watchdog = Watchdog({"env": group}, Deadlines(30.0, 5.0, 60.0))
+    try:
+        with pytest.raises(UserError, match="policy.image_size=4") as err:
+            watchdog.get(group.call_async("refuse"), "refuse")
+        assert not isinstance(err.value, WorkerFailure)
+        assert group.call("whoami", 0)[0][0] == 0  # the workers are fine: nothing to replace
+    finally:
+        group.shutdown()
