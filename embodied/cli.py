@@ -249,7 +249,9 @@ def _run_protocol(cfg, actor_state: dict | None, seeds: list[int], record: set[i
 def cmd_eval(overrides: list[str]) -> int:
     """Run the env backend's evaluation protocol; without a checkpoint, the policy as built
     (``policy=random``: the random baseline). Writes eval.json, eval.md and videos/."""
+    from embodied.checkpoint import atomic_write
     from embodied.evaluate import summarize, video_episodes, write_eval, write_videos
+    from embodied.provenance import provenance
     from embodied.run_dirs import index_evaluation, protocol_digest, run_of_checkpoint
 
     cfg, state, path = _checkpointed(overrides)
@@ -266,7 +268,9 @@ def cmd_eval(overrides: list[str]) -> int:
     summary = summarize(rows, cfg.env, cfg.eval.tasks)
     wall_s = time.perf_counter() - t0
     summary.update(checkpoint=str(path) if path else None, policy=cfg.policy.name, wall_s=wall_s,
-                   env_steps=env_steps, env_steps_per_s=env_steps / wall_s, num_envs=cfg.env.num_envs)
+                   env_steps=env_steps, env_steps_per_s=env_steps / wall_s, num_envs=cfg.env.num_envs,
+                   provenance=provenance(cfg, path))
+    atomic_write(out_dir / "config.yaml", lambda f: f.write(to_yaml(cfg).encode()))  # what ran, every key
     table = write_eval(out_dir, summary)
     run = run_of_checkpoint(path) if path else None
     if run is not None:

@@ -90,6 +90,11 @@ def test_cli_eval_on_libero_writes_the_per_task_table_and_a_video_per_task(ray_c
     assert all(t["episodes"] == 1 and t["success_once"] == 0.0 for t in result["tasks"])
     assert result["seeds"] == [episode_seed(t, 0) for t in (0, 3, 9)] and result["suite_mean"] == 0.0
     assert result["policy"] == "random" and result["env_steps_per_s"] > 0
+    what = result["provenance"]  # what was evaluated, for an audit: settings, code, versions, the whole config
+    assert what["settings"]["trials_per_task"] == 1 and what["settings"]["env_image_size"] == 32
+    assert what["weights"]["model_path"] is None and len(what["code"]["commit"] or "x" * 40) == 40
+    assert {"torch", "transformers", "mujoco"} <= set(what["versions"])
+    assert "trials_per_task: 1" in (out / "config.yaml").read_text()
     table = (out / "eval.md").read_text()
     assert table.count("\n| ") == 4 and "Only tasks 0, 3, 9 ran" in table  # 3 tasks, then the suite
     videos = sorted((out / "videos").glob("task_*.mp4"))
