@@ -135,10 +135,14 @@ class OFTCheckpoint(OpenVLACheckpoint):
     action_head: Path | None = None  # action_head--*_checkpoint.pt: an L1 head; None: token actions
     proprio_projector: Path | None = None  # proprio_projector--*_checkpoint.pt (or this project's older name)
     proprio_stats: ActionStats | None = None  # under policy.normalization; None: the state is fed as it is
+    proprio_used: bool = False  # policy.proprio
 
     def describe(self) -> str:
         head = f"L1 action head {self.action_head.name}" if self.action_head else "token actions (LM head)"
-        if self.proprio_stats is None:
+        if not self.proprio_used:
+            unused = f" (its {self.proprio_projector.name} is unused)" if self.proprio_projector else ""
+            proprio = f"no proprio (policy.proprio=false){unused}"
+        elif self.proprio_stats is None:
             proprio = "proprio as the env gives it (no proprio statistics)"
         else:
             mask = self.proprio_stats.normalize_mask
@@ -256,7 +260,8 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
         head = component_file(cfg.model_path, "action_head")
         proprio_file = proprio_projector_file(cfg.model_path)
         proprio = base.statistics.bounds("proprio", cfg.normalization, cfg.model_path) if base.statistics else None
-        found = OFTCheckpoint(**vars(base), action_head=head, proprio_projector=proprio_file, proprio_stats=proprio)
+        found = OFTCheckpoint(**vars(base), action_head=head, proprio_projector=proprio_file, proprio_stats=proprio,
+                              proprio_used=cfg.proprio)
         hidden = base.config.text_config.hidden_size
         if head is not None:
             check_action_head(head, hidden, action_dim)
