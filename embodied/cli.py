@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from embodied.bench import BENCHES
 from embodied.chaos import GROUP_OF, TARGETS, ChaosMonkey, compare, draw_schedule, markdown, report
 from embodied.config import CONFIG_DIR, compose, config_groups, to_yaml, unknown_group_option_error, validate
+from embodied.provenance import provenance
 from envs.common import UserError
 from envs.registry import check_env_config, env_action_dim, seed_scheme
 from envs.rendering import check_render, install_lavapipe
@@ -251,7 +252,6 @@ def cmd_eval(overrides: list[str]) -> int:
     (``policy=random``: the random baseline). Writes eval.json, eval.md and videos/."""
     from embodied.checkpoint import atomic_write
     from embodied.evaluate import summarize, video_episodes, write_eval, write_videos
-    from embodied.provenance import provenance
     from embodied.run_dirs import index_evaluation, protocol_digest, run_of_checkpoint
 
     cfg, state, path = _checkpointed(overrides)
