@@ -91,7 +91,6 @@ def test_a_long_non_ascii_instruction_reaches_the_observation_whole(monkeypatch)
         assert len(long.encode()) > 128 and env.obs_spec["instruction"][0] == (width,)
         obs = env.reset(episode_seed(3, 0))
         assert obs["instruction"].shape == (width,) and decode_instruction(obs["instruction"]) == long
-        assert decode_instruction(env.reset(episode_seed(1, 0))["instruction"]) == tasks[1].instruction
     finally:
         env.close()
 
