@@ -236,8 +236,6 @@ class LiberoSeeds(SeedScheme):
 
     def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
         """Task by task (``eval.tasks``, or all), its first ``eval.trials_per_task`` stored init states."""
-        if eval_cfg.trials_per_task < 1:
-            raise UserError(f"eval.trials_per_task={eval_cfg.trials_per_task}: run at least 1 trial per task.")
         counts = init_state_counts(env_cfg.task)
         tasks = range(len(counts)) if eval_cfg.tasks is None else _task_subset(eval_cfg.tasks, env_cfg.task)
         stored = min(counts[t] for t in tasks)

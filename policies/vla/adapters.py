@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from envs.common import UserError, unknown_name_error
+from envs.common import unknown_name_error
 from policies.vla import image_ops
 
 
@@ -48,12 +48,10 @@ class InputAdapter:
 
     @classmethod
     def from_config(cls, cfg) -> InputAdapter:
-        """The policy config's adapter fields; an unknown gripper mode or a crop outside (0, 1] is a UserError."""
+        """The policy config's adapter fields; an unknown gripper mode is a UserError (the crop's range,
+        (0, 1], is checked with every numeric key when the config is read: embodied/config.py)."""
         if cfg.gripper not in GRIPPERS:
             raise unknown_name_error("gripper post-processing (policy.gripper)", cfg.gripper, list(GRIPPERS))
-        if cfg.center_crop is not None and not 0.0 < cfg.center_crop <= 1.0:
-            raise UserError(f"policy.center_crop={cfg.center_crop}: the kept fraction of the image area is "
-                            "in (0, 1] (OpenVLA's LIBERO checkpoints: 0.9), or null for no crop.")
         return cls(bool(cfg.mirror_images), cfg.dataset_resize, cfg.center_crop, cfg.gripper)
 
     @property
