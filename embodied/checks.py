@@ -24,6 +24,7 @@ def check_run_config(cfg: TrainConfig) -> list[str]:
     the lines the run log shows about choices a checkpoint left to the config."""
     check_env_config(cfg.env)
     seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)  # eval.tasks is checked now, not after training
+    _check_camera_is_the_trained_one(cfg)  # before the checkpoint is read: a config-only mistake
     notes = check_policy_config(cfg.policy, env_action_dim(cfg.env))
     _check_policy_sees_what_it_needs(cfg)
     for registry, name in ((ADVANTAGES, cfg.algorithm.advantage), (LOSSES, cfg.algorithm.loss),
@@ -47,6 +48,26 @@ def _check_policy_sees_what_it_needs(cfg: TrainConfig) -> None:
     keys = env_obs_keys(cfg.env)
     if keys is not None:
         check_policy_observations(cfg.policy, {k: (shape, None) for k, shape in keys.items()}, env_action_dim(cfg.env))
+
+
+def _check_camera_is_the_trained_one(cfg: TrainConfig) -> None:
+    """A checkpoint sees the images it was trained on: its config's ``policy.camera_size`` and
+    ``policy.camera_rendering`` against the env's (the public-checkpoint configs set the env to match;
+    this refuses an override that would feed it other pixels without a word)."""
+    policy, env = cfg.policy, cfg.env
+    if env.obs_mode != "rgb":
+        return
+    opt_out = "or, to run this checkpoint on other images knowingly, policy.{key}=null"
+    if policy.camera_size is not None and env.image_size != policy.camera_size:
+        raise UserError(f"env.image_size={env.image_size}, but this checkpoint was trained on {policy.camera_size} px "
+                        f"camera images (policy.camera_size={policy.camera_size}, its authors' render size): its "
+                        f"processor would resize other frames, and it would see pixels it never saw. Set "
+                        f"env.image_size={policy.camera_size}, {opt_out.format(key='camera_size')}.")
+    if policy.camera_rendering is not None and env.rendering != policy.camera_rendering:
+        raise UserError(f"env.rendering={env.rendering}, but this checkpoint was trained on images rendered with "
+                        f"'{policy.camera_rendering}' (policy.camera_rendering; reference = robosuite's defaults, as "
+                        f"its authors render). Set env.rendering={policy.camera_rendering}, "
+                        f"{opt_out.format(key='camera_rendering')}.")
 
 
 def _check_groups(cfg: TrainConfig) -> None:

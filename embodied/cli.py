@@ -24,7 +24,15 @@ from omegaconf import OmegaConf
 
 from embodied.bench import BENCHES
 from embodied.chaos import GROUP_OF, TARGETS, ChaosMonkey, compare, draw_schedule, markdown, report
-from embodied.config import CONFIG_DIR, compose, config_groups, to_yaml, unknown_group_option_error, validate
+from embodied.config import (
+    compose,
+    config_groups,
+    file_overrides,
+    group_option,
+    to_yaml,
+    unknown_group_option_error,
+    validate,
+)
 from embodied.provenance import provenance
 from envs.common import UserError
 from envs.registry import check_env_config, env_action_dim, seed_scheme
@@ -70,7 +78,10 @@ def config_from_saved(saved_yaml: str, overrides: list[str]):
         if key in groups:
             if value not in groups[key]:
                 raise unknown_group_option_error(key, value)
-            base[key] = OmegaConf.load(CONFIG_DIR / key / f"{value}.yaml")
+            sections = group_option(key, value)
+            base[key] = sections.pop(key)  # the group's own section is replaced; others take its settings
+            for section, settings in sections.items():
+                base[section] = OmegaConf.merge(base[section], settings)
         else:
             dotted.append(item)
     return validate(OmegaConf.merge(base, OmegaConf.from_dotlist(dotted)))
@@ -252,7 +263,7 @@ def cmd_eval(overrides: list[str]) -> int:
     (``policy=random``: the random baseline). Writes eval.json, eval.md and videos/."""
     from embodied.checkpoint import atomic_write
     from embodied.evaluate import summarize, video_episodes, write_eval, write_videos
-    from embodied.run_dirs import index_evaluation, protocol_digest, run_of_checkpoint
+    from embodied.run_dirs import check_claimable, index_evaluation, protocol_digest, run_of_checkpoint, written_whole
 
     cfg, state, path = _checkpointed(overrides)
     check_env_config(cfg.env)
@@ -261,21 +272,23 @@ def cmd_eval(overrides: list[str]) -> int:
     record = video_episodes(seeds, cfg.env, cfg.eval.videos_per_task)
     if state is None and not cfg.policy.model_path:
         print(f"note: no checkpoint given: evaluating policy={cfg.policy.name} as initialised", file=sys.stderr)
-    out_dir = _out_dir(cfg, path, "evals", f"{path.stem if path else 'untrained'}-{digest}")
+    check_claimable(cfg.runner.run_dir, "this eval")
     t0 = time.perf_counter()
-    with _removed_if_failed_empty(out_dir):
-        rows, videos, env_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)
+    rows, videos, env_steps = _run_protocol(cfg, state["actor"] if state else None, seeds, record)
     summary = summarize(rows, cfg.env, cfg.eval.tasks)
     wall_s = time.perf_counter() - t0
     summary.update(checkpoint=str(path) if path else None, policy=cfg.policy.name, wall_s=wall_s,
                    env_steps=env_steps, env_steps_per_s=env_steps / wall_s, num_envs=cfg.env.num_envs,
                    provenance=provenance(cfg, path))
-    atomic_write(out_dir / "config.yaml", lambda f: f.write(to_yaml(cfg).encode()))  # what ran, every key
-    table = write_eval(out_dir, summary)
+    # the directory is made only now, and filled whole: an evaluation stopped earlier leaves nothing
+    out_dir = _out_dir(cfg, path, "evals", f"{path.stem if path else 'untrained'}-{digest}")
+    with written_whole(out_dir) as staging:
+        atomic_write(staging / "config.yaml", lambda f: f.write(to_yaml(cfg).encode()))  # what ran, every key
+        table = write_eval(staging, summary)
+        write_videos(staging / "videos", videos, rows, cfg.env)
     run = run_of_checkpoint(path) if path else None
     if run is not None:
         index_evaluation(run, out_dir, summary, "eval", str(path), digest)
-    write_videos(out_dir / "videos", videos, rows, cfg.env)
     print(table)
     print(f"{len(rows)} episodes in {wall_s:.0f} s ({env_steps / wall_s:.1f} env-steps/s with "
           f"{cfg.env.num_envs} envs); {len(videos)} videos in {out_dir / 'videos'}")
@@ -304,6 +317,7 @@ def cmd_record(overrides: list[str]) -> int:
     video shows exactly the episode ``eval`` scores. Without a checkpoint: ``policy.model_path``'s
     model as built (e.g. a public checkpoint), or with neither, uniform random actions."""
     from embodied.evaluate import recording_episodes, write_videos
+    from embodied.run_dirs import check_claimable, written_whole
 
     cfg, state, path = _checkpointed(overrides)
     check_env_config(cfg.env)
@@ -312,12 +326,14 @@ def cmd_record(overrides: list[str]) -> int:
     if state is None and not cfg.policy.model_path:  # nothing trained to film: the random baseline
         print("note: no checkpoint or policy.model_path given: filming uniform random actions", file=sys.stderr)
         cfg.policy = dataclasses.replace(cfg.policy, name="random", chunk_size=1)
-    out_dir = _out_dir(cfg, path, "records", path.stem if path else "untrained")
-    with _removed_if_failed_empty(out_dir):
-        rows, videos, _ = _run_protocol(_filming(cfg, len(seeds)), state["actor"] if state else None, seeds,
-                                        record=set(range(len(seeds))))
-    for video in write_videos(out_dir, videos, rows, cfg.env):
-        print(video.resolve())
+    check_claimable(cfg.runner.run_dir, "this record")
+    rows, videos, _ = _run_protocol(_filming(cfg, len(seeds)), state["actor"] if state else None, seeds,
+                                    record=set(range(len(seeds))))
+    out_dir = _out_dir(cfg, path, "records", path.stem if path else "untrained")  # made only now: see eval
+    with written_whole(out_dir) as staging:
+        names = [video.name for video in write_videos(staging, videos, rows, cfg.env)]
+    for name in names:
+        print((out_dir / name).resolve())
     print(out_dir.resolve())
     return 0
 
@@ -512,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="embodied", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
+    parser.add_argument("--config", metavar="FILE", help="a YAML file of settings (group options, sections of "
+                        "keys), applied before the command line's overrides")
     parser.add_argument("--json", action="store_true", help="bench: print the results as JSON")
     parser.add_argument("--iterations", type=int, default=2, help="bench: measured iterations per mode")
     parser.add_argument("--devices", type=int, help="plan: plan for this many devices (what-if)")
@@ -529,6 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
                         "(bench: the benchmark name first, e.g. `embodied bench pipeline`)")
     args = parser.parse_intermixed_args(argv)
+    try:
+        if args.config:  # the file's settings first: the command line's overrides win
+            args.overrides = [*file_overrides(args.config), *args.overrides]
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
     if args.cfg == "job" and args.command != "train":  # train prints it itself (resume= reloads a saved config)
         commands = {args.command: lambda: cmd_print_config(args.command, args.overrides)}
     else:

@@ -61,6 +61,10 @@ class EnvConfig:
     sim_backend: str = "auto"  # "physx_cpu" | "physx_cuda" | "auto" (cuda if available)
     image_size: int = ranged(128, 8)  # camera resolution for obs_mode=rgb
     render_size: int = ranged(256, 8)  # resolution of recorded videos
+    # LIBERO: "fast" (no reflections, no multisampling: ~2x the env-steps/s on a CPU renderer) or
+    # "reference" (robosuite's defaults, as the public checkpoints' authors render: their pixels);
+    # speeds in docs/libero_protocol.md. ManiSkill renders one way: "fast"
+    rendering: str = "fast"
     timeout_s: float = ranged(120.0, 0, above=True)  # an env process silent this long is reported as hung
     # replace an env process that dies or hangs: its episodes end as failed (error) and the run
     # goes on; False: the run stops with a checkpoint and a message (exit code 3)
@@ -109,6 +113,11 @@ class PolicyConfig:
     # keep this central fraction of the area, resized back (random-crop training: 0.9)
     center_crop: float | None = ranged(None, 0, 1, above=True)
     gripper: str = "none"  # the last action dim: none | libero ([0, 1] -> [-1, 1], binarise, invert)
+    # the camera images the checkpoint was trained on: their size (env.image_size) and LIBERO rendering
+    # (env.rendering). A public-checkpoint config sets both, and the env settings its authors use; a run whose
+    # env renders other images is refused, not resized behind the user's back. None: any
+    camera_size: int | None = ranged(None, 8)
+    camera_rendering: str | None = None
 
 
 @dataclass
@@ -287,6 +296,20 @@ def config_groups() -> dict[str, list[str]]:
     }
 
 
+GLOBAL_PACKAGE = "# @package _global_"
+
+
+def group_option(group: str, option: str) -> dict[str, DictConfig]:
+    """``configs/<group>/<option>.yaml`` as the sections it sets: ``{group: its keys}``, or, for a file
+    that starts with ``# @package _global_`` (a public checkpoint's policy config, which also sets the
+    env its authors ran), every section it names."""
+    path = CONFIG_DIR / group / f"{option}.yaml"
+    raw = OmegaConf.load(path)
+    if path.read_text().startswith(GLOBAL_PACKAGE):
+        return {str(section): raw[section] for section in raw}
+    return {group: raw}
+
+
 def unknown_key_error(dotted: str) -> UserError:
     """'algorithm.lrr' -> "Unknown config key 'algorithm.lrr'. Did you mean 'algorithm.lr'? ..."."""
     node = OmegaConf.structured(TrainConfig)
@@ -310,6 +333,61 @@ def unknown_group_option_error(group: str, option: str) -> UserError:
     """``env=maniskill_pushcub`` -> an error listing the files of configs/env/."""
     err = unknown_name_error(f"{group} config ({group}=...)", option, config_groups().get(group, []))
     return UserError(f"{err} Each option is a file configs/{group}/<name>.yaml.")
+
+
+TOP_LEVEL_PATHS = ("checkpoint", "resume")  # TrainConfig's keys outside a section, read as the command line's
+
+
+def file_overrides(path: str | Path) -> list[str]:
+    """A user's config file (``embodied <command> --config my.yaml``) as overrides, to go before the
+    command line's, which win. Top-level ``group: option`` picks a group's option (``env: libero_spatial``);
+    a section's mapping sets its keys (``placement: {mode: hybrid, env: 0-1}``); ``checkpoint`` and
+    ``resume`` as on the command line. ``embodied <command> --cfg job`` prints what it composes to."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--config {path}: no such file. Pass a YAML file of settings (e.g. `env: libero_spatial` "
+                        "and `placement: {mode: hybrid}`); `embodied train --cfg job` prints every key.")
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(file))
+    except Exception as err:  # a YAML syntax error, reported by line
+        raise UserError(f"--config {path} is not valid YAML: {str(err).splitlines()[0]}. Fix the file.") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"--config {path} holds a {type(raw).__name__}, not a mapping of settings: write "
+                        "`section: {key: value}` or `group: option` lines.")
+    groups = config_groups()
+    overrides = []
+    for key, value in raw.items():
+        if key in TOP_LEVEL_PATHS or (key in groups and isinstance(value, str)):
+            overrides.append(f"{key}={value}")  # a path or an option name, unquoted as typed
+        elif isinstance(value, dict):
+            overrides += [f"{dotted}={_override_value(v)}" for dotted, v in _flatten(value, str(key))]
+        else:
+            raise UserError(f"--config {path}: top-level `{key}: {value}` is neither a group option "
+                            f"({', '.join(groups)}: a name from configs/<group>/) nor a section of keys. Write it "
+                            "as `section: {key: value}`.")
+    return overrides
+
+
+def _flatten(section: dict, prefix: str) -> list[tuple[str, object]]:
+    items = []
+    for key, value in section.items():
+        dotted = f"{prefix}.{key}"
+        items += _flatten(value, dotted) if isinstance(value, dict) else [(dotted, value)]
+    return items
+
+
+def _override_value(value) -> str:
+    """A YAML value in Hydra's override syntax (strings quoted, so ``0-1`` or ``null`` stay strings)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    text = str(value)
+    return f"'{text}'" if "'" not in text else f'"{text}"'
 
 
 def _override_error(err: Exception, overrides: list[str]) -> UserError:

@@ -75,7 +75,8 @@ def provenance(cfg, checkpoint: Path | None) -> dict:
                 "mirror_images": policy.mirror_images, "dataset_resize": policy.dataset_resize,
                 "center_crop": policy.center_crop, "gripper": policy.gripper, "normalization": policy.normalization,
                 "unnorm_key": policy.unnorm_key, "chunk_size": policy.chunk_size, "proprio": policy.proprio,
-                "env": cfg.env.task, "env_image_size": cfg.env.image_size, "obs_mode": cfg.env.obs_mode,
+                "env": cfg.env.task, "env_image_size": cfg.env.image_size, "rendering": cfg.env.rendering,
+                "obs_mode": cfg.env.obs_mode,
                 "episodes": cfg.eval.episodes, "trials_per_task": cfg.eval.trials_per_task, "tasks": cfg.eval.tasks,
                 "deterministic": cfg.eval.deterministic}
     return {"weights": weights, "settings": settings, "code": code_version(), "versions": versions()}

@@ -14,9 +14,14 @@ the same second, or at once, get two directories. Files are written whole (tmp +
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from embodied.checkpoint import atomic_write
@@ -42,6 +47,33 @@ def make_unique_dir(parent: Path, name: str) -> Path:
         except FileExistsError:
             continue
     raise UserError(f"{parent} has 10,000 directories named {name}-*: clean it up or pick runner.run_dir.")
+
+
+@contextlib.contextmanager
+def written_whole(final: Path) -> Iterator[Path]:
+    """Yields a hidden sibling of ``final`` (an empty directory, just made) to write results into. When
+    the block ends they become ``final``'s by one rename, so a reader sees all of them or none; a block
+    that fails or is interrupted leaves neither directory behind."""
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
+    try:
+        yield staging
+        if any(final.iterdir()):  # a runner.run_dir the user made and put other files in: move ours in
+            for entry in staging.iterdir():
+                os.replace(entry, final / entry.name)
+            staging.rmdir()
+        else:
+            os.replace(staging, final)  # a directory may replace an empty one: atomic on POSIX
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            final.rmdir()  # only if empty: never a user's files
+        raise
+
+
+def check_claimable(explicit: str | None, what: str) -> None:
+    """Refuse ``runner.run_dir`` now if it holds results (:func:`claim_dir` would, but only later)."""
+    if explicit is not None and holds_results(Path(explicit)):
+        claim_dir(explicit, Path("runs"), "", what)
 
 
 def stamp() -> str:

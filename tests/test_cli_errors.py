@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 CASES = {
     "unknown env group": (["train", "env=maniskill_pushcub"], ["maniskill_pushcube", "configs/env"]),
@@ -43,6 +43,17 @@ CASES = {
                                             ["trials_per_task=60", "stores 50 init states", "trials_per_task=50"]),
     "GRPO on LIBERO with its defaults": (["train", "env=libero_spatial", "algorithm=grpo"],
                                          ["group_size=8", "env.num_envs=16"]),
+    "env image smaller than the checkpoint's": (["eval", "env=libero_spatial", "policy=openvla_oft_7b_libero",
+                                                  "env.image_size=128"],
+                                                 ["env.image_size=128", "256 px", "env.image_size=256"]),
+    "fast rendering for a public checkpoint": (["eval", "env=libero_spatial", "policy=openvla_7b_libero",
+                                                "env.rendering=fast"],
+                                               ["env.rendering=fast", "env.rendering=reference",
+                                                "policy.camera_rendering=null"]),
+    "config file not there": (["train", "--config", "/nonexistent/my.yaml"], ["/nonexistent/my.yaml", "YAML"]),
+    "config file with a misspelled key": (["train", "--config", str(REPO / "tests/data/misspelled.yaml")],
+                                          ["algorithm.lrr", "Did you mean 'algorithm.lr'"]),
+    "config file that is a list": (["train", "--config", str(REPO / "tests/data/not_a_mapping.yaml")], ["not a mapping"]),
     "negative env count": (["eval", "env.num_envs=-4"], ["env.num_envs=-4", ">= 1"]),
     "no envs on LIBERO": (["eval", "env=libero_spatial", "env.num_envs=0"], ["env.num_envs=0", ">= 1"]),
     "no evaluation episodes": (["eval", "eval.episodes=0"], ["eval.episodes=0", ">= 1"]),

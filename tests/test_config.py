@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from embodied.config import CONFIG_DIR, TrainConfig, compose, config_groups
+from embodied.config import CONFIG_DIR, TrainConfig, compose, config_groups, group_option
 from envs.common import UserError
 
 OPTIONS = [(group, option) for group, options in sorted(config_groups().items()) for option in options]
@@ -26,12 +26,17 @@ def test_train_yaml_only_picks_the_group_options():
 
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_a_group_option_only_holds_its_differences_from_the_defaults(group, option):
-    raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / group / f"{option}.yaml"))
-    defaults = dataclasses.asdict(getattr(TrainConfig(), group))
-    unknown = sorted(set(raw) - set(defaults))
-    assert not unknown, f"{group}/{option}.yaml sets keys the schema lacks: {unknown}"
-    same = sorted(k for k, v in raw.items() if v == defaults[k])
-    assert not same, f"{group}/{option}.yaml repeats the defaults of {same}: drop them (embodied/config.py has them)"
+    """Of every section it sets (a ``_global_`` policy config also sets the env its checkpoint needs)."""
+    sections = group_option(group, option)
+    assert group in sections, f"{group}/{option}.yaml does not set its own section"
+    for section, settings in sections.items():
+        raw = OmegaConf.to_container(settings)
+        defaults = dataclasses.asdict(getattr(TrainConfig(), section))
+        unknown = sorted(set(raw) - set(defaults))
+        assert not unknown, f"{group}/{option}.yaml sets {section} keys the schema lacks: {unknown}"
+        same = sorted(k for k, v in raw.items() if v == defaults[k])
+        assert not same, (f"{group}/{option}.yaml repeats the {section} defaults of {same}: drop them "
+                          "(embodied/config.py has them)")
 
 
 def _numeric_keys() -> list[tuple[str, object]]:
@@ -76,3 +81,19 @@ def test_a_numeric_key_outside_its_range_is_refused_and_its_bounds_are_not(key, 
         with pytest.raises(UserError, match=f"{key}=.* is out of range"):
             check_ranges(with_value(allowed.high + 1))
         check_ranges(with_value(allowed.high))
+
+
+def test_a_config_file_picks_options_and_sets_keys_and_the_command_line_wins(tmp_path):
+    """``embodied <command> --config my.yaml``: the file's settings, then the command line's overrides."""
+    from embodied.config import file_overrides
+
+    mine = tmp_path / "my.yaml"
+    mine.write_text("env: maniskill_pushcube_rgb\npolicy: cnn\n"
+                    "placement: {mode: hybrid, env: '1', rollout: '0', actor: '0'}\n"
+                    "algorithm: {lr: 1.0e-4, rollout_steps: null, update_epochs: 3}\n"
+                    "eval: {tasks: null}\nrunner: {run_dir: runs/my run}\n")
+    cfg = compose([*file_overrides(mine), "algorithm.lr=2e-4", "policy=mlp"])
+    assert (cfg.env.obs_mode, cfg.policy.name) == ("rgb", "mlp")  # the file's env, the command line's policy
+    assert (cfg.placement.mode, cfg.placement.env, cfg.placement.rollout) == ("hybrid", "1", "0")
+    assert (cfg.algorithm.lr, cfg.algorithm.rollout_steps, cfg.algorithm.update_epochs) == (2e-4, None, 3)
+    assert cfg.runner.run_dir == "runs/my run"

@@ -13,6 +13,7 @@ from embodied.run_dirs import (
     index_evaluation,
     make_unique_dir,
     read_index,
+    written_whole,
 )
 from envs.common import UserError
 
@@ -59,3 +60,41 @@ def test_a_resumed_run_files_its_earlier_final_eval_away(tmp_path):
     assert (moved / "eval.md").exists() and (moved / "videos").is_dir() and not (run / "eval.json").exists()
     (entry,) = read_index(run)
     assert entry["path"] == str(moved.resolve()) and entry["checkpoint"] == "ckpt_000003.pt"
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, OSError])
+def test_results_written_whole_or_not_at_all(tmp_path, interruption):
+    """An interrupted write leaves neither the directory nor its staging copy; a finished one leaves
+    exactly the files written, under the final name."""
+    final = make_unique_dir(tmp_path, "eval")
+    with pytest.raises(interruption), written_whole(final) as staging:
+        (staging / "eval.json").write_text("{}")
+        raise interruption
+    assert list(tmp_path.iterdir()) == []
+    final = make_unique_dir(tmp_path, "eval")
+    with written_whole(final) as staging:
+        (staging / "videos").mkdir()
+        (staging / "eval.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval"]
+    assert sorted(p.name for p in final.iterdir()) == ["eval.json", "videos"]
+
+
+def test_results_join_a_run_dir_holding_other_files_and_leave_them(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with written_whole(tmp_path) as staging:
+        (staging / "eval.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "notes.txt"]
+
+
+def test_an_eval_stopped_before_its_end_leaves_no_directory(tmp_path, monkeypatch):
+    """``embodied eval`` makes its result directory only once the episodes have run."""
+    from embodied import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_run_protocol", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli.cmd_eval(["eval.episodes=2"])
+    assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
