@@ -321,15 +321,27 @@ def start_workers(cfg: TrainConfig) -> Workers:
     notes = check_run_config(cfg)
     for line in notes:  # what a checkpoint left to the config (e.g. its normalisation), before anything starts
         print(f"note: {line}", file=sys.stderr)
+    started = time.perf_counter()
+    _say(f"start-up: {'joining the Ray cluster at ' + cfg.ray.address if cfg.ray.address else 'starting Ray'} ...")
     start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)
     devices = cluster_devices()
     auto = None
     if cfg.placement.mode == "auto":
         auto = auto_placement(cfg, len(devices.devices), devices.kind, STAGE_RUNNERS)
         cfg.placement = auto.placement
+    placement = cfg.placement
+    _say(f"start-up: {placement.env_workers} env, {placement.rollout_workers} rollout and {placement.actor_workers} "
+         f"actor worker(s) on {len(devices.devices)} {devices.kind} device(s) (placement.mode={placement.mode}): "
+         f"building {cfg.env.num_envs} envs and the policy ...")
     workers = Workers(cfg, devices, auto)
     workers.notes = notes
+    _say(f"start-up: workers ready in {time.perf_counter() - started:.0f} s")
     return workers
+
+
+def _say(line: str) -> None:
+    """A phase of a command that takes seconds with nothing else to show (stderr: results go to stdout)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 STAGE_RUNNERS = StageRunners(start_workers=start_workers, update=ppo_update)  # what placement.mode=auto profiles
@@ -612,7 +624,8 @@ class Trainer:
         weights = self._load_final_weights()
         seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
         record = set(recording_episodes(seeds, cfg.env, cfg.eval.video_episodes))
-        rows, self.final_videos = self.workers.evaluate(seeds, cfg.eval.deterministic, record)
+        rows, self.final_videos = self.workers.evaluate(seeds, cfg.eval.deterministic, record,
+                                                        progress=cfg.runner.progress)
         summary = summarize(rows, cfg.env, cfg.eval.tasks)
         summary["evaluated"] = weights
         summary["faults"] = self.faults.summary()

@@ -279,9 +279,16 @@ def measure(cfg, sizes: list[int], devices: int, runners: StageRunners, repeats:
     n = cfg.env.num_envs
     split, halves = devices >= 2, n % 2 == 0
     start = runners.start_workers
+    probes = 3 if split and halves else 1
+    log(f"profile 1/{probes + 1}: a rollout of {n} envs on one env worker ...")
     lockstep = _probe_rollout(cfg, Candidate("hybrid", 1, 1, 1) if split else Candidate("colocated", 1, 1, 1), start)
-    piped = _probe_rollout(cfg, Candidate("hybrid", 1, 1, 1, 2), start) if split and halves else None
-    shared = _probe_rollout(cfg, Candidate("colocated", 2, 2, 2), start) if split and halves else None
+    piped = shared = None
+    if probes == 3:
+        log(f"profile 2/{probes + 1}: the same, pipelined in two micro-batches ...")
+        piped = _probe_rollout(cfg, Candidate("hybrid", 1, 1, 1, 2), start)
+        log(f"profile 3/{probes + 1}: two env workers sharing a device ...")
+        shared = _probe_rollout(cfg, Candidate("colocated", 2, 2, 2), start)
+    log(f"profile {probes + 1}/{probes + 1}: the policy's inference and update at batch sizes {sizes} ...")
     workers_s = time.perf_counter() - started
     env_points = {n: lockstep.env_step_s} | ({n // 2: piped.env_step_s} if piped else {})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

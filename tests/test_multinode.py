@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from embodied.config import file_overrides
 from tests.conftest import REPO
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -97,11 +98,11 @@ def _probe(address: str, run_dir: Path, *overrides: str) -> dict:
                   "placement.weight_sync=broadcast"],
                  {"env": ["node_b"], "rollout": ["node_b"], "actor": ["node_a"]}, "broadcast",
                  marks=pytest.mark.slow),
-    # two data-parallel actor ranks, one on each node, in one gloo group over the nodes (FSDP2)
-    (["placement.mode=colocated", "placement.env=1", "placement.rollout=1", "placement.actor=0-1",
-      "placement.actor_workers=2", "placement.data_parallel=fsdp"],
+    # docs/multinode.md's recipe: two data-parallel actor ranks, one on each node, in one gloo group over
+    # the nodes (FSDP2); envs and rollout on the second node
+    (file_overrides(REPO / "docs/recipes/two_nodes.yaml"),
      {"env": ["node_b"], "rollout": ["node_b"], "actor": ["node_a", "node_b"]}, "object_store"),
-], ids=["env-on-node-b", "actor-on-head-only", "broadcast-across-nodes", "actor-ranks-on-both-nodes"])
+], ids=["env-on-node-b", "actor-on-head-only", "broadcast-across-nodes", "recipe-actor-ranks-on-both-nodes"])
 def test_groups_run_on_the_nodes_placement_names(two_nodes, tmp_path, overrides, expected, weight_sync):
     out = _probe(two_nodes, tmp_path, "placement.env_workers=1", *overrides)
     assert out["groups"] == expected
