@@ -340,9 +340,11 @@ TOP_LEVEL_PATHS = ("checkpoint", "resume")  # TrainConfig's keys outside a secti
 
 def file_overrides(path: str | Path) -> list[str]:
     """A user's config file (``embodied <command> --config my.yaml``) as overrides, to go before the
-    command line's, which win. Top-level ``group: option`` picks a group's option (``env: libero_spatial``);
-    a section's mapping sets its keys (``placement: {mode: hybrid, env: 0-1}``); ``checkpoint`` and
-    ``resume`` as on the command line. ``embodied <command> --cfg job`` prints what it composes to."""
+    command line's, which win. Top-level ``group: option`` picks a group's option (``env: libero_spatial``),
+    as does a Hydra-style ``defaults: [{env: libero_spatial}, ...]`` list, which lets the file also set keys
+    of that section; a section's mapping sets its keys (``placement: {mode: hybrid, env: 0-1}``);
+    ``checkpoint`` and ``resume`` as on the command line. ``embodied <command> --cfg job`` prints what it
+    composes to."""
     file = Path(path)
     if not file.is_file():
         raise UserError(f"--config {path}: no such file. Pass a YAML file of settings (e.g. `env: libero_spatial` "
@@ -355,7 +357,7 @@ def file_overrides(path: str | Path) -> list[str]:
         raise UserError(f"--config {path} holds a {type(raw).__name__}, not a mapping of settings: write "
                         "`section: {key: value}` or `group: option` lines.")
     groups = config_groups()
-    overrides = []
+    overrides = _defaults_list(raw.pop("defaults", []), groups, path)
     for key, value in raw.items():
         if key in TOP_LEVEL_PATHS or (key in groups and isinstance(value, str)):
             overrides.append(f"{key}={value}")  # a path or an option name, unquoted as typed
@@ -366,6 +368,16 @@ def file_overrides(path: str | Path) -> list[str]:
                             f"({', '.join(groups)}: a name from configs/<group>/) nor a section of keys. Write it "
                             "as `section: {key: value}`.")
     return overrides
+
+
+def _defaults_list(choices, groups: dict[str, list[str]], path) -> list[str]:
+    """``defaults: [{env: libero_10}, {policy: openvla_tiny}]`` -> ``["env=libero_10", "policy=openvla_tiny"]``."""
+    picked = [choice for choice in choices if isinstance(choice, dict) and len(choice) == 1] if isinstance(
+        choices, list) else []
+    if len(picked) != len(choices) or any(next(iter(c)) not in groups for c in picked):
+        raise UserError(f"--config {path}: `defaults:` must be a list of `{{group: option}}` entries, groups being "
+                        f"{', '.join(groups)} (e.g. `defaults: [{{env: libero_10}}, {{algorithm: grpo}}]`).")
+    return [f"{group}={option}" for choice in picked for group, option in choice.items()]
 
 
 def _flatten(section: dict, prefix: str) -> list[tuple[str, object]]:

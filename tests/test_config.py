@@ -97,3 +97,16 @@ def test_a_config_file_picks_options_and_sets_keys_and_the_command_line_wins(tmp
     assert (cfg.placement.mode, cfg.placement.env, cfg.placement.rollout) == ("hybrid", "1", "0")
     assert (cfg.algorithm.lr, cfg.algorithm.rollout_steps, cfg.algorithm.update_epochs) == (2e-4, None, 3)
     assert cfg.runner.run_dir == "runs/my run"
+
+
+def test_a_config_file_may_pick_options_in_a_defaults_list_and_set_keys_of_the_same_sections(tmp_path):
+    from embodied.config import file_overrides
+
+    mine = tmp_path / "my.yaml"
+    mine.write_text("defaults: [{env: libero_10}, {algorithm: grpo}]\nenv: {num_envs: 16}\nalgorithm: {lr: 1.0e-5}\n")
+    cfg = compose(file_overrides(mine))
+    assert (cfg.env.task, cfg.env.num_envs) == ("libero_10", 16)
+    assert (cfg.algorithm.advantage, cfg.algorithm.lr) == ("grpo", 1e-5)
+    mine.write_text("defaults: [{envv: libero_10}]\n")
+    with pytest.raises(UserError, match="defaults"):
+        file_overrides(mine)
