@@ -49,6 +49,20 @@ def test_training_changes_parameters_and_checkpoint_reloads_to_identical_actions
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+def test_a_grpo_iteration_that_trains_on_nothing_says_so_on_the_console(ray_cluster, tmp_path, capsys):
+    """Sparse reward, 8 steps: no episode succeeds, every group is uniform and filtered out."""
+    cfg = small_config(f"runner.run_dir={tmp_path}", "algorithm=grpo", "algorithm.group_size=2",
+                       "env.reward_mode=sparse", "env.max_episode_steps=8", "algorithm.rollout_steps=8",
+                       "runner.total_env_steps=32")
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert [v for _, v in tb_scalars(tmp_path, "train/samples")] == [0.0]
+    assert "update: iteration 1 trained on nothing" in capsys.readouterr().err
+
+
 def test_grpo_trains_a_token_policy_on_whole_horizon_episodes_in_groups(ray_cluster, tmp_path):
     """GRPO from scratch on the VLAs' token path (policy=mlp_tokens): every iteration starts one
     episode per env, in groups, each run to the horizon, and trains on all of their steps."""

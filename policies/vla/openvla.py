@@ -5,7 +5,7 @@ ViTs (:mod:`policies.vla.vit`).
 Module and state-dict names are those of the public ``openvla/openvla-7b`` checkpoint
 (``vision_backbone.featurizer.*``, ``vision_backbone.fused_featurizer.*``,
 ``projector.fc{1,2,3}`` (single backbone: ``fc{1,2}``), ``language_model.*``; see
-docs/vla_checkpoint_layout.md), and
+docs/vla_checkpoints.md), and
 the config reads its ``config.json``, so ``OpenVLAForActionPrediction.from_pretrained``
 loads a real checkpoint directory as well as the tiny models the tests save.
 
