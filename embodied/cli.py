@@ -513,6 +513,14 @@ def _commands(args) -> dict:
 COMPOSED_COMMANDS = ("train", "sft", "eval", "record", "plan", "chaos")  # the ones that run a composed config
 
 
+def _config_file(command: str, path: str) -> list[str]:
+    """``--config FILE`` as overrides, for the commands that run a composed config."""
+    if command not in COMPOSED_COMMANDS:
+        raise UserError(f"--config sets the config a command runs; `embodied {command}` runs none. Use it with "
+                        f"{', '.join(COMPOSED_COMMANDS)}.")
+    return file_overrides(path)
+
+
 def cmd_print_config(command: str, overrides: list[str]) -> int:
     """``embodied <command> --cfg job``: print the config the command would run (every key), run nothing."""
     if command not in COMPOSED_COMMANDS:
@@ -547,17 +555,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value "
                         "(bench: the benchmark name first, e.g. `embodied bench pipeline`)")
     args = parser.parse_intermixed_args(argv)
-    try:
-        if args.config:  # the file's settings first: the command line's overrides win
-            args.overrides = [*file_overrides(args.config), *args.overrides]
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
     if args.cfg == "job" and args.command != "train":  # train prints it itself (resume= reloads a saved config)
         commands = {args.command: lambda: cmd_print_config(args.command, args.overrides)}
     else:
         commands = _commands(args)
     try:
+        if args.config:  # the file's settings first: the command line's overrides win
+            args.overrides = [*_config_file(args.command, args.config), *args.overrides]
         return commands[args.command]()
     except Exception as err:
         explained = _explain(err)

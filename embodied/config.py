@@ -372,12 +372,13 @@ def file_overrides(path: str | Path) -> list[str]:
 
 def _defaults_list(choices, groups: dict[str, list[str]], path) -> list[str]:
     """``defaults: [{env: libero_10}, {policy: openvla_tiny}]`` -> ``["env=libero_10", "policy=openvla_tiny"]``."""
-    picked = [choice for choice in choices if isinstance(choice, dict) and len(choice) == 1] if isinstance(
-        choices, list) else []
-    if len(picked) != len(choices) or any(next(iter(c)) not in groups for c in picked):
+    def is_choice(entry) -> bool:
+        return isinstance(entry, dict) and len(entry) == 1 and next(iter(entry)) in groups
+
+    if not isinstance(choices, list) or not all(is_choice(entry) for entry in choices):
         raise UserError(f"--config {path}: `defaults:` must be a list of `{{group: option}}` entries, groups being "
                         f"{', '.join(groups)} (e.g. `defaults: [{{env: libero_10}}, {{algorithm: grpo}}]`).")
-    return [f"{group}={option}" for choice in picked for group, option in choice.items()]
+    return [f"{group}={option}" for entry in choices for group, option in entry.items()]
 
 
 def _flatten(section: dict, prefix: str) -> list[tuple[str, object]]:

@@ -57,6 +57,9 @@ CASES = {
     "config file not there": (["train", "--config", "/nonexistent/my.yaml"], ["/nonexistent/my.yaml", "YAML"]),
     "config file with a misspelled key": (["train", "--config", str(REPO / "tests/data/misspelled.yaml")],
                                           ["algorithm.lrr", "Did you mean 'algorithm.lr'"]),
+    "config file for a command that composes none": (["evals", "runs/x", "--config",
+                                                      str(REPO / "tests/data/misspelled.yaml")],
+                                                     ["--config", "embodied evals"]),
     "config file that is a list": (["train", "--config", str(REPO / "tests/data/not_a_mapping.yaml")],
                                    ["not a mapping"]),
     "negative env count": (["eval", "env.num_envs=-4"], ["env.num_envs=-4", ">= 1"]),
@@ -93,7 +96,8 @@ CASES = {
 def _assert_one_paragraph(code: int, stderr: str, must_mention: list[str]) -> None:
     assert code == 2, stderr[-2000:]
     assert "Traceback" not in stderr
-    message = stderr.strip().splitlines()
+    # progress lines of start-up may come first (an error found once Ray runs); then the one paragraph
+    message = [line for line in stderr.strip().splitlines() if not line.startswith("start-up: ")]
     assert message and message[0].startswith("error: ")
     assert len(message) <= 3, stderr
     for word in must_mention:
