@@ -82,23 +82,24 @@ def test_cli_eval_on_libero_writes_the_per_task_table_and_a_video_per_task(ray_c
     from embodied.cli import main as cli_main  # in this process: fresh workers on the session's cluster
 
     out = tmp_path / "eval"
-    assert cli_main(["eval", "env=libero_spatial", "policy=random", "eval.trials_per_task=1", "eval.tasks=[9,0,3]",
+    assert cli_main(["eval", "env=libero_spatial", "policy=random", "eval.trials_per_task=1", "eval.tasks=[9,0]",
                      "env.max_episode_steps=4", "env.image_size=32", "runner.progress=false",
                      f"runner.run_dir={out}"]) == 0
     result = json.loads((out / "eval.json").read_text())
-    assert [t["task_index"] for t in result["tasks"]] == [0, 3, 9] and result["task_subset"] == [0, 3, 9]
+    assert [t["task_index"] for t in result["tasks"]] == [0, 9] and result["task_subset"] == [0, 9]
     assert all(t["episodes"] == 1 and t["success_once"] == 0.0 for t in result["tasks"])
-    assert result["seeds"] == [episode_seed(t, 0) for t in (0, 3, 9)] and result["suite_mean"] == 0.0
+    assert result["seeds"] == [episode_seed(t, 0) for t in (0, 9)] and result["suite_mean"] == 0.0
     assert result["policy"] == "random" and result["env_steps_per_s"] > 0
     what = result["provenance"]  # what was evaluated, for an audit: settings, code, versions, the whole config
     assert what["settings"]["trials_per_task"] == 1 and what["settings"]["env_image_size"] == 32
+    assert what["settings"]["rendering"] == "fast"
     assert what["weights"]["model_path"] is None and len(what["code"]["commit"] or "x" * 40) == 40
     assert {"torch", "transformers", "mujoco"} <= set(what["versions"])
     assert "trials_per_task: 1" in (out / "config.yaml").read_text()
     table = (out / "eval.md").read_text()
-    assert table.count("\n| ") == 4 and "Only tasks 0, 3, 9 ran" in table  # 3 tasks, then the suite
+    assert table.count("\n| ") == 3 and "Only tasks 0, 9 ran" in table  # 2 tasks, then the suite
     videos = sorted((out / "videos").glob("task_*.mp4"))
-    assert len(videos) == 3
+    assert len(videos) == 2
     frames = imageio.mimread(videos[1])
     assert len(frames) == 5 and frames[0].shape[1] == 2 * frames[0].shape[0]  # agentview | wrist
 

@@ -51,8 +51,9 @@ def test_libero_130_is_every_task_in_rlinfs_order():
     assert MAX_STEPS["libero_130"] == 512 and MAX_STEPS["libero_100"] == 520
 
 
+# slow, for the suite's time: goal has spatial's kitchen scenes, libero_90 the scenes libero_10 builds
 @pytest.mark.parametrize("suite", ["libero_object", pytest.param("libero_goal", marks=pytest.mark.slow),
-                                   "libero_10", "libero_90"])  # goal: spatial's kitchen scenes (the suite's time)
+                                   "libero_10", pytest.param("libero_90", marks=pytest.mark.slow)])
 def test_suite_builds_and_resets_offline(suite):
     env = LiberoEnv(LiberoSpec(suite, image_size=64, max_episode_steps=10))
     try:
@@ -175,9 +176,7 @@ def test_grpo_groups_start_from_one_init_state():
         worker.reset(training_reset_seeds(cfg, run, 0, 2, group_size=2), AutoResets(run.auto_resets, 0, 2, 0))
         rgb = worker.obs[0]["rgb"]
         torch.testing.assert_close(rgb[0], rgb[1], rtol=0, atol=0)
-        # two slots: tasks 0 and 1
-        worker.reset(training_reset_seeds(cfg, run, 0, 2, group_size=1), AutoResets(run.auto_resets, 0, 2, 0))
-        assert worker.obs[0]["task"].argmax(-1).tolist() == [0, 1]
+        # (which task each training slot gets: test_eval_protocol.py's slot tests, without an env)
     finally:
         worker.close()
 

@@ -132,7 +132,7 @@ def test_cli_train_then_eval_and_record(ray_cluster, tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(run_dir.resolve())
     for phase in ("start-up: starting Ray", "profile 1/", "start-up: workers ready in"):  # no phase is silent
-        assert phase in proc.stderr, phase
+        assert phase in proc.stderr + proc.stdout, phase
     result = json.loads((run_dir / "eval.json").read_text())
     for key in ("success_once", "success_at_end", "return_mean", "episodes"):
         assert key in result
