@@ -1,6 +1,6 @@
 """What every layer needs: the user-facing error and the name registry.
 
-It lives on the ground floor (``envs/``, see ARCHITECTURE.md "Layers") and imports nothing of
+It lives on the ground floor (``envs/``, see docs/architecture.md "Layers") and imports nothing of
 the project, so that ``policies/``, ``scheduler/`` and ``embodied/`` can all use it without an
 upward import.
 

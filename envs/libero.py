@@ -223,7 +223,8 @@ class LiberoEnv:
 
 def _fast_rendering(sim, size: int) -> None:
     """No reflections, no multisampling, an image-sized offscreen buffer: ~2x the steps/s of
-    LIBERO's defaults on a CPU renderer (FACTS.md); the model persists across soft resets."""
+    LIBERO's defaults on a CPU renderer (docs/architecture.md, "Measured facts"); the model persists
+    across soft resets."""
     sim.model.mat_reflectance[:] = 0.0
     sim.model.vis.quality.offsamples = 0
     sim.model.vis.global_.offwidth = size

@@ -254,7 +254,7 @@ class SubprocVecEnv:
         self._gather(self._startup_s)
 
     def _spawn(self, start: int, stop: int):
-        # fork deadlocks inside lavapipe once the parent has built an env (FACTS.md)
+        # fork deadlocks inside lavapipe once the parent has built an env (docs/architecture.md, "Measured facts")
         ctx = mp.get_context("forkserver")
         parent, child = ctx.Pipe()
         proc = ctx.Process(

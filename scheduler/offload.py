@@ -1,6 +1,6 @@
 """Context switching: park what a worker holds on its device in host memory, and bring it back.
 
-Groups that share a device take turns on it (see :class:`~embodied.runner.ContextSwitcher`);
+Groups that share a device take turns on it (see :class:`~scheduler.context_switch.ContextSwitcher`);
 the group whose turn it is not offloads. :class:`DeviceState` moves a module's
 parameters, buffers and gradients and an optimizer's state to host memory (pinned,
 for fast copies back, when the device is a GPU) and frees their device storage;

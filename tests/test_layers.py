@@ -1,4 +1,4 @@
-"""The packages' layers (ARCHITECTURE.md, "Layers"): ``envs`` < ``policies`` < ``scheduler`` <
+"""The packages' layers (docs/architecture.md, "Layers"): ``envs`` < ``policies`` < ``scheduler`` <
 ``embodied``. A module imports only from its own layer or below, and no chain of imports
 leads back to where it started. Imports inside function bodies count too: a lazy import
 hides a dependency, but it is still one.

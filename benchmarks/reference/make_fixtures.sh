@@ -26,7 +26,8 @@ refenv="${5:-/tmp/embodied-refenv}"
 
 if [ ! -x "$refenv/bin/python" ]; then
   python3 -m venv "$refenv"
-  # torch + torchvision that import together on CPU (FACTS.md); upstream's own pins for the rest
+  # torch + torchvision that import together on CPU (2.13.0+cpu and PyPI torchvision do not:
+  # docs/architecture.md, "Measured facts"); upstream's own pins for the rest
   "$refenv/bin/pip" install -q torch==2.14.1 torchvision==0.29.1
   "$refenv/bin/pip" install -q transformers==4.40.1 timm==0.9.10 tokenizers==0.19.1 "huggingface-hub<0.26" \
     diffusers==0.30.3 sentencepiece protobuf safetensors "numpy<2" pillow tensorflow-cpu imageio json_numpy requests
