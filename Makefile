@@ -20,7 +20,7 @@ QUIET_PIP := sed -u '/^WARNING: Location/d'
 
 STAMP := $(VENV)/.embodied-installed
 
-.PHONY: setup train test lint clean-venv
+.PHONY: setup train test test-unit lint clean-venv
 
 setup: $(STAMP)
 
@@ -39,6 +39,9 @@ train: setup
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: setup  # the fast loop: pure-logic tests only (tiers: tests/conftest.py)
+	$(BIN)/python -m pytest -m "unit and not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from embodied.checkpoint import load_checkpoint
-from embodied.cli import config_from_saved
+from embodied.commands.common import config_from_saved
 from envs.demos import Demos
 from policies.registry import make_policy
 

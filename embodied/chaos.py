@@ -66,7 +66,7 @@ class Injected:
 
 
 class ChaosMonkey(threading.Thread):
-    """Fires a schedule of injections into a running :class:`~embodied.runner.Trainer`."""
+    """Fires a schedule of injections into a running :class:`~embodied.trainer.Trainer`."""
 
     def __init__(self, trainer, schedule: list[Injection], poll_s: float = 0.1):
         super().__init__(daemon=True, name="chaos")

@@ -12,40 +12,16 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from embodied.config_ranges import check_ranges, ranged
 from envs.common import UserError, unknown_name_error
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key may take: from ``low`` (excluded when ``above``) to ``high``; None: open."""
-
-    low: float | None = None
-    high: float | None = None
-    above: bool = False
-
-    def holds(self, value: float) -> bool:
-        if self.low is not None and (value <= self.low if self.above else value < self.low):
-            return False
-        return self.high is None or value <= self.high
-
-    def describe(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.above else '>='} {self.low:g}"
-        return f"in {'(' if self.above else '['}{self.low:g}, {self.high:g}]"
-
-
-def ranged(default, low: float | None = None, high: float | None = None, *, above: bool = False):
-    """A numeric key's default and the range its values must lie in (:func:`check_ranges`; None is
-    always allowed where the type allows it)."""
-    return field(default=default, metadata={"range": Range(low, high, above)})
 
 
 @dataclass
@@ -122,7 +98,7 @@ class PolicyConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "ppo"
+    name: str = "ppo"  # the algorithm (embodied/algorithms/registry.py: ppo, grpo); configs/algorithm/ files set it
     advantage: str = "gae"  # registered in embodied/algorithms/advantages.py
     loss: str = "ppo"  # registered in embodied/algorithms/losses.py
     lr: float = ranged(3e-4, 0, above=True)
@@ -265,10 +241,11 @@ class RunnerConfig:
     call_deadline_floor_s: float = ranged(60.0, 0, above=True)
     call_deadline_factor: float = ranged(5.0, 1)
     call_deadline_s: float | None = ranged(None, 0, above=True)
+    # it is also every worker start's deadline (first or replacement): a constructor still running is hung
     first_call_deadline_s: float = ranged(900.0, 0, above=True)
     # a worker that dies or hangs is replaced (an actor rank: its group restarts from the last checkpoint)
     # and the run goes on; more than max_worker_restarts restarts of one group within restart_window_minutes
-    # stop the run with a checkpoint written then and exit code 3
+    # stop the run with a checkpoint written then and exit code 4
     max_worker_restarts: int = ranged(5, 0)
     restart_window_minutes: float = ranged(60.0, 0, above=True)
 
@@ -335,74 +312,6 @@ def unknown_group_option_error(group: str, option: str) -> UserError:
     return UserError(f"{err} Each option is a file configs/{group}/<name>.yaml.")
 
 
-TOP_LEVEL_PATHS = ("checkpoint", "resume")  # TrainConfig's keys outside a section, read as the command line's
-
-
-def file_overrides(path: str | Path) -> list[str]:
-    """A user's config file (``embodied <command> --config my.yaml``) as overrides, to go before the
-    command line's, which win. Top-level ``group: option`` picks a group's option (``env: libero_spatial``),
-    as does a Hydra-style ``defaults: [{env: libero_spatial}, ...]`` list, which lets the file also set keys
-    of that section; a section's mapping sets its keys (``placement: {mode: hybrid, env: 0-1}``);
-    ``checkpoint`` and ``resume`` as on the command line. ``embodied <command> --cfg job`` prints what it
-    composes to."""
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"--config {path}: no such file. Pass a YAML file of settings (e.g. `env: libero_spatial` "
-                        "and `placement: {mode: hybrid}`); `embodied train --cfg job` prints every key.")
-    try:
-        raw = OmegaConf.to_container(OmegaConf.load(file))
-    except Exception as err:  # a YAML syntax error, reported by line
-        raise UserError(f"--config {path} is not valid YAML: {str(err).splitlines()[0]}. Fix the file.") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"--config {path} holds a {type(raw).__name__}, not a mapping of settings: write "
-                        "`section: {key: value}` or `group: option` lines.")
-    groups = config_groups()
-    overrides = _defaults_list(raw.pop("defaults", []), groups, path)
-    for key, value in raw.items():
-        if key in TOP_LEVEL_PATHS or (key in groups and isinstance(value, str)):
-            overrides.append(f"{key}={value}")  # a path or an option name, unquoted as typed
-        elif isinstance(value, dict):
-            overrides += [f"{dotted}={_override_value(v)}" for dotted, v in _flatten(value, str(key))]
-        else:
-            raise UserError(f"--config {path}: top-level `{key}: {value}` is neither a group option "
-                            f"({', '.join(groups)}: a name from configs/<group>/) nor a section of keys. Write it "
-                            "as `section: {key: value}`.")
-    return overrides
-
-
-def _defaults_list(choices, groups: dict[str, list[str]], path) -> list[str]:
-    """``defaults: [{env: libero_10}, {policy: openvla_tiny}]`` -> ``["env=libero_10", "policy=openvla_tiny"]``."""
-    def is_choice(entry) -> bool:
-        return isinstance(entry, dict) and len(entry) == 1 and next(iter(entry)) in groups
-
-    if not isinstance(choices, list) or not all(is_choice(entry) for entry in choices):
-        raise UserError(f"--config {path}: `defaults:` must be a list of `{{group: option}}` entries, groups being "
-                        f"{', '.join(groups)} (e.g. `defaults: [{{env: libero_10}}, {{algorithm: grpo}}]`).")
-    return [f"{group}={option}" for entry in choices for group, option in entry.items()]
-
-
-def _flatten(section: dict, prefix: str) -> list[tuple[str, object]]:
-    items = []
-    for key, value in section.items():
-        dotted = f"{prefix}.{key}"
-        items += _flatten(value, dotted) if isinstance(value, dict) else [(dotted, value)]
-    return items
-
-
-def _override_value(value) -> str:
-    """A YAML value in Hydra's override syntax (strings quoted, so ``0-1`` or ``null`` stay strings)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ",".join(_override_value(v) for v in value) + "]"
-    text = str(value)
-    return f"'{text}'" if "'" not in text else f'"{text}"'
-
-
 def _override_error(err: Exception, overrides: list[str]) -> UserError:
     """Turn Hydra's composition error into one paragraph that names the fix."""
     text = str(err)
@@ -460,20 +369,6 @@ def validate(raw: DictConfig | dict) -> TrainConfig:
     cfg = OmegaConf.to_object(merged)
     check_ranges(cfg)
     return cfg
-
-
-def check_ranges(cfg: TrainConfig) -> None:
-    """A UserError for the first numeric key outside its range (the ``ranged`` fields above)."""
-    for section in fields(cfg):
-        part = getattr(cfg, section.name)
-        if not is_dataclass(part):
-            continue
-        for key in fields(part):
-            allowed, value = key.metadata.get("range"), getattr(part, key.name)
-            if allowed is not None and value is not None and not allowed.holds(value):
-                raise UserError(f"{section.name}.{key.name}={value} is out of range: it must be {allowed.describe()} "
-                                f"({type(part).__name__} in embodied/config.py says what it means). Fix the "
-                                "override or the yaml file that sets it.")
 
 
 def to_yaml(cfg: TrainConfig) -> str:

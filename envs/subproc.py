@@ -12,67 +12,36 @@ physics step on CPU. Envs whose episode ends still report their final observatio
 
 ``num_procs=0`` steps the whole batch in the calling process (useful inside a Ray
 worker that is already its own process).
+
+What runs inside an env process, and the command protocol, is envs/subproc_child.py; how each
+way a process can fail is reported or recovered is :class:`SubprocVecEnv`'s docstring.
 """
 
 from __future__ import annotations
 
-import gc
 import multiprocessing as mp
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Protocol
+from multiprocessing.connection import wait
+from typing import Any
 
 import numpy as np
 import torch
 
 from envs.base import EpisodeTracker, Obs, StepResult
 from envs.seeds import AutoResets
+from envs.subproc_child import EnvBatch, ResetRequest, SingleEnv, serve
 
-
-class SingleEnv(Protocol):
-    """One simulator instance with numpy I/O (what a backend adapts to)."""
-
-    obs_spec: dict[str, tuple[tuple[int, ...], np.dtype]]
-    action_dim: int
-    max_episode_steps: int
-
-    def reset(self, seed: int | None, reconfigure: bool = False) -> dict[str, np.ndarray]:
-        """Start the episode ``seed`` names; ``reconfigure``: rebuild the scene first, so that
-        nothing earlier episodes left in the simulator shapes this one (evaluation resets)."""
-        ...
-
-    def step(self, action: np.ndarray, observe: bool = True) -> tuple[dict[str, np.ndarray] | None, float, bool,
-                                                                     bool, bool]:
-        """-> (obs, reward, terminated, truncated, success). With ``observe=False`` an env may
-        return ``obs=None`` and skip building it; it must then implement :meth:`observe`."""
-        ...
-
-    def observe(self) -> dict[str, np.ndarray]:
-        """The current observation (after a step that returned ``obs=None``)."""
-        ...
-
-    def render(self) -> np.ndarray: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class ResetRequest:
-    """A reset of a slice of envs, as sent to a worker process."""
-
-    seeds: list[int | None]
-    reconfigure: bool = False
-    auto_resets: AutoResets | None = None
-
-    def slice(self, start: int, stop: int, reconfigure: bool | None = None) -> ResetRequest:
-        auto = self.auto_resets.shifted(start) if self.auto_resets else None
-        return ResetRequest(self.seeds[start:stop], self.reconfigure if reconfigure is None else reconfigure, auto)
+__all__ = ["EnvCommandError", "EnvCrashedError", "ResetRequest", "SingleEnv", "SubprocVecEnv"]
 
 
 class EnvCrashedError(RuntimeError):
     """An env worker process died, raised, or stopped answering."""
+
+
+class EnvCommandError(RuntimeError):
+    """An env process refused a command it does not know: a bug in the caller, not a crash (the
+    process is fine and serves on, so it is never restarted for it)."""
 
 
 def _buffer_specs(obs_spec: dict, num_envs: int, action_dim: int) -> dict:
@@ -88,102 +57,6 @@ def _buffer_specs(obs_spec: dict, num_envs: int, action_dim: int) -> dict:
     return specs
 
 
-class EnvBatch:
-    """Steps a list of :class:`SingleEnv` with auto-reset, writing into numpy buffers."""
-
-    def __init__(self, envs: list[SingleEnv], buffers: dict[str, np.ndarray]):
-        self.envs = envs
-        self.buf = buffers
-        # evaluation runs fixed-length episodes: success does not end them
-        self.ignore_terminations = False
-        self.seeds: list[int | None] = [None] * len(envs)  # each env's last reset() seed
-        self.steps_since_reset = [0] * len(envs)  # simulator steps
-        self.auto_resets: AutoResets | None = None
-
-    def _write_obs(self, prefix: str, i: int, obs: dict[str, np.ndarray]) -> None:
-        for key, value in obs.items():
-            self.buf[f"{prefix}/{key}"][i] = value
-
-    def reset(self, request: ResetRequest) -> None:
-        self.auto_resets = request.auto_resets
-        for i, (env, seed) in enumerate(zip(self.envs, request.seeds, strict=True)):
-            self.seeds[i], self.steps_since_reset[i] = seed, 0
-            self._write_obs("obs", i, env.reset(seed, reconfigure=request.reconfigure))
-        if request.reconfigure:
-            gc.collect()  # the scenes just torn down, all at once (ManiSkill's teardown would collect per env)
-
-    def _auto_reset_seed(self, i: int) -> int | None:
-        """Seed of env ``i``'s next episode from the auto-reset stream (envs/seeds.py): the
-        run's, or without one a stream of the env's reset seed (seeded use repeats exactly;
-        ManiSkill's unseeded resets would draw fresh entropy). An env with an
-        ``auto_reset_seed(last_seed, drawn)`` method maps the drawn seed onto its own
-        (LIBERO: same task, another stored init state)."""
-        if self.seeds[i] is None:
-            return None
-        auto = self.auto_resets or AutoResets.after(self.seeds[i])
-        drawn = auto.seed(i if self.auto_resets else 0, self.steps_since_reset[i])
-        own_scheme = getattr(self.envs[i], "auto_reset_seed", None)
-        return own_scheme(self.seeds[i], drawn) if own_scheme else drawn
-
-    def step(self, observe: bool = True) -> None:
-        """Step every env; ``observe=False``: the ``obs`` buffers are left as they were, except
-        for envs whose episode ended (final and reset observations are always written)."""
-        actions = self.buf["action"]
-        for i, env in enumerate(self.envs):
-            obs, reward, terminated, truncated, success = env.step(actions[i], observe)
-            self.steps_since_reset[i] += 1
-            terminated = terminated and not self.ignore_terminations
-            self.buf["reward"][i] = reward
-            self.buf["terminated"][i] = terminated
-            self.buf["truncated"][i] = truncated
-            self.buf["success"][i] = success
-            if terminated or truncated:
-                self._write_obs("final_obs", i, env.observe() if obs is None else obs)
-                obs = env.reset(self._auto_reset_seed(i))
-            if obs is not None:
-                self._write_obs("obs", i, obs)
-
-    def close(self) -> None:
-        for env in self.envs:
-            env.close()
-
-
-def _worker_main(pipe, make_env, env_ids, shm_names, specs, start, stop):
-    """Worker process: attach to shared memory, then serve commands until 'close'."""
-    blocks = {name: shared_memory.SharedMemory(name=shm) for name, shm in shm_names.items()}
-    try:
-        buffers = {
-            name: np.ndarray(specs[name][0], specs[name][1], buffer=blocks[name].buf)[start:stop]
-            for name in specs
-        }
-        batch = EnvBatch([make_env(i) for i in env_ids], buffers)
-        pipe.send(("ok", None))
-        while True:
-            cmd, arg = pipe.recv()
-            if cmd == "step":
-                batch.step(arg)
-                pipe.send(("ok", None))
-            elif cmd == "reset":
-                batch.reset(arg)
-                pipe.send(("ok", None))
-            elif cmd == "ignore_terminations":
-                batch.ignore_terminations = arg
-                pipe.send(("ok", None))
-            elif cmd == "render":
-                pipe.send(("ok", batch.envs[arg].render()))
-            elif cmd == "close":
-                batch.close()
-                pipe.send(("ok", None))
-                return
-    except (KeyboardInterrupt, EOFError):
-        return
-    except Exception:  # report, then die: the parent raises EnvCrashedError with this text
-        pipe.send(("error", traceback.format_exc()))
-    finally:
-        for block in blocks.values():
-            block.close()
-
-
 class SubprocVecEnv:
     """A :class:`~envs.base.VecEnv` over ``num_envs`` single envs in ``num_procs`` processes.
 
@@ -191,11 +64,29 @@ class SubprocVecEnv:
         make_env: picklable ``make_env(env_index) -> SingleEnv``.
         num_envs: batch size ``B``.
         num_procs: worker processes (0 = step in this process).
-        timeout_s: how long a worker may take to answer one command.
-        restart_crashed: a worker process that dies, raises or hangs during ``step`` is
-            replaced by a fresh one: its envs' episodes end as failed-by-error
-            (``info["error"]``) and restart from their last reset seeds, and the batch
-            goes on. Without it the failure raises :class:`EnvCrashedError`.
+        timeout_s: how long a worker may take to answer one command (building the envs, at
+            start and on a restart: at least 300 s).
+        restart_crashed: replace a failed process and go on (below); without it any failure
+            closes the batch and raises :class:`EnvCrashedError`.
+
+    Every command is answered (envs/subproc_child.py) and every wait for an answer has a
+    deadline. A process that exits (killed, segfault) is seen at once through its sentinel, not
+    at the deadline: :class:`EnvCrashedError` names it, its pid, the command and its exit code;
+    one that raises sends its traceback; one silent past ``timeout_s`` hangs. A command the
+    process does not know is refused at once (:class:`EnvCommandError`), the process unharmed.
+
+    With ``restart_crashed`` a failed process is replaced by a fresh one whose envs restart from
+    their last reset seeds (and the current ``set_ignore_terminations`` flag):
+
+    - ``step``: replaced at once; its envs' episodes end failed-by-error in that step's result
+      (``info["error"]``; truncated, unsuccessful, ``final_obs`` the last good observation);
+    - ``reset``: replaced at once, and the replacement's start *is* the reset (it replays the
+      latest request), so reset returns as if nothing had failed: it ends every episode anyway;
+    - ``set_ignore_terminations``: the process is stopped, and the next ``step`` or ``reset``
+      replaces it as above, so the episodes it lost are reported (by that step);
+    - ``render``: the frame is lost with the episode it would show, so it raises
+      :class:`EnvCrashedError`; the process is stopped and replaced as after
+      ``set_ignore_terminations``.
     """
 
     def __init__(
@@ -228,6 +119,7 @@ class SubprocVecEnv:
         self._specs = _buffer_specs(self.obs_spec_np, num_envs, self.action_dim)
         self._procs: list = []
         self._pipes: list = []
+        self._sent: list[str] = []  # each process's last command (what an error names)
         self._blocks: dict = {}
         if num_procs == 0:
             self.buf = {name: np.zeros(shape, dtype) for name, (shape, dtype) in self._specs.items()}
@@ -251,6 +143,7 @@ class SubprocVecEnv:
             proc, pipe = self._spawn(start, stop)
             self._procs.append(proc)
             self._pipes.append(pipe)
+            self._sent.append("start")
         self._gather(self._startup_s)
 
     def _spawn(self, start: int, stop: int):
@@ -258,7 +151,7 @@ class SubprocVecEnv:
         ctx = mp.get_context("forkserver")
         parent, child = ctx.Pipe()
         proc = ctx.Process(
-            target=_worker_main,
+            target=serve,
             args=(child, self._make_env, list(range(start, stop)), self._shm_names, self._specs, start, stop),
             daemon=True,
         )
@@ -275,63 +168,99 @@ class SubprocVecEnv:
         self._pipes[rank].close()
         start, stop = self._slices()[rank]
         self._procs[rank], self._pipes[rank] = self._spawn(start, stop)
+        self._sent[rank] = "start"
         self.restarts += 1
         self._answer(rank, self._startup_s)  # ready
         replay = self._last_reset.slice(start, stop, reconfigure=False)  # a fresh process: nothing to clear
-        for command in (("ignore_terminations", self._ignore_terminations), ("reset", replay)):
-            self._pipes[rank].send(command)
+        for cmd, arg in (("ignore_terminations", self._ignore_terminations), ("reset", replay)):
+            self._send(rank, cmd, arg)
             self._answer(rank, self._startup_s)
 
-    def _gather(self, timeout_s: float | None = None, restart: bool = False) -> tuple[list, list[int]]:
-        """Wait for every worker's answer; raise EnvCrashedError on death, error or timeout,
-        or (``restart``) replace the failed workers. Returns (answers, restarted ranks)."""
+    def _stop(self, rank: int) -> None:
+        """Kill process ``rank`` (a hung one would answer late, and its reply would be read as the
+        next command's); the next step or reset finds it dead and replaces it."""
+        self._procs[rank].kill()
+        self._procs[rank].join(timeout=5)
+
+    def _send(self, rank: int, cmd: str, arg: Any = None) -> None:
+        self._sent[rank] = cmd
+        try:
+            self._pipes[rank].send((cmd, arg))
+        except OSError:
+            pass  # the process is gone: waiting for its answer reports how it died
+
+    def _gather(self, timeout_s: float | None = None, on_crash: str = "raise") -> tuple[list, list[int]]:
+        """Every process's answer to the command just sent. A process that failed: replaced now
+        (``on_crash="restart"``), stopped for the next step or reset to replace (``"stop"``),
+        or, with ``"raise"`` or without ``restart_crashed``, the batch closes and raises. Every
+        process is read before a refusal is raised: no stale answer is left in a pipe.
+        Returns (answers, replaced ranks)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        answers, restarted = [], []
+        answers, restarted, refused = [], [], []
         for rank in range(len(self._pipes)):
             try:
                 answers.append(self._answer(rank, timeout_s))
-            except EnvCrashedError:
-                if not restart:
+                continue
+            except EnvCommandError as err:
+                refused.append(err)
+            except EnvCrashedError as err:
+                if on_crash == "raise" or not self.restart_crashed:
                     self.close(force=True)
                     raise
-                self._restart(rank)
-                answers.append(None)
-                restarted.append(rank)
+                if on_crash == "stop":
+                    self._stop(rank)
+                else:
+                    self._restart_or_raise(rank, err)
+                    restarted.append(rank)
+            answers.append(None)
+        if refused:
+            raise refused[0]
         return answers, restarted
 
-    def _answer(self, rank: int, timeout_s: float):
-        """Worker ``rank``'s answer to the last command; EnvCrashedError if it has none."""
-        pipe = self._pipes[rank]
-        if not pipe.poll(timeout_s):
-            alive = self._procs[rank].is_alive()
+    def _restart_or_raise(self, rank: int, failure: EnvCrashedError) -> None:
+        try:
+            self._restart(rank)
+        except EnvCrashedError as err:  # it fails again on its own: replacing it once more would loop
+            self.close(force=True)
+            raise EnvCrashedError(f"{failure}\nIts replacement failed too, so the batch is closed: {err}") from None
+
+    def _answer(self, rank: int, timeout_s: float) -> Any:
+        """Process ``rank``'s answer to its last command: its reply, or EnvCrashedError if it
+        died, raised or stayed silent for ``timeout_s``; EnvCommandError if it refused."""
+        pipe, proc, cmd = self._pipes[rank], self._procs[rank], self._sent[rank]
+        # its sentinel too: a dead process must not wait out the deadline, and a pipe that another
+        # process still holds open (a helper the simulator started) would never show EOF
+        if not wait([pipe, proc.sentinel], timeout_s):
             raise EnvCrashedError(
-                f"Env worker process {rank} did not answer within {timeout_s:.0f} s "
-                f"({'still running: the simulator hangs' if alive else 'it died'}). "
-                "Check the simulator on its own with `embodied check-render`, lower "
-                "env.num_envs, or raise env.timeout_s if steps are legitimately slow."
+                f"Env worker process {rank} (pid {proc.pid}) did not answer `{cmd}` within {timeout_s:.0f} s and "
+                "is still running: the simulator hangs. Check the simulator on its own with `embodied "
+                "check-render`, lower env.num_envs, or raise env.timeout_s if steps are legitimately slow."
             )
         try:
+            if not pipe.poll(0):  # only the sentinel is ready: it exited without a word
+                raise EOFError
             status, payload = pipe.recv()
         except (EOFError, OSError):
-            self._procs[rank].join(timeout=1)
-            code = self._procs[rank].exitcode
+            proc.join(timeout=1)
             raise EnvCrashedError(
-                f"Env worker process {rank} died (exit code {code}). A negative code is the "
-                "signal that killed it (-9: out of memory or killed, -11: crash in the "
-                "simulator). Lower env.num_envs or check the simulator with "
-                "`embodied check-render`."
+                f"Env worker process {rank} (pid {proc.pid}) died during `{cmd}` (exit code {proc.exitcode}). "
+                "A negative code is the signal that killed it (-9: out of memory or killed, -11: crash in "
+                "the simulator). Lower env.num_envs or check the simulator with `embodied check-render`."
             ) from None
         if status == "error":
-            raise EnvCrashedError(f"Env worker process {rank} raised:\n{payload}")
+            raise EnvCrashedError(f"Env worker process {rank} (pid {proc.pid}) raised during `{cmd}`:\n{payload}")
+        if status == "refused":
+            raise EnvCommandError(
+                f"Env worker process {rank} refused a command: {payload}. The process is unharmed and "
+                "serves on; the caller of SubprocVecEnv sent it, so fix that caller (the commands are "
+                "listed in envs/subproc_child.py)."
+            )
         return payload
 
-    def _broadcast(self, cmd: str, per_rank_args: list | None = None, restart: bool = False):
-        for rank, pipe in enumerate(self._pipes):
-            try:
-                pipe.send((cmd, None if per_rank_args is None else per_rank_args[rank]))
-            except OSError:
-                pass  # the worker is gone: _gather reports how it died
-        return self._gather(restart=restart)
+    def _broadcast(self, cmd: str, per_rank_args: list | None = None, on_crash: str = "raise"):
+        for rank in range(len(self._pipes)):
+            self._send(rank, cmd, None if per_rank_args is None else per_rank_args[rank])
+        return self._gather(on_crash=on_crash)
 
     def _slices(self) -> list[tuple[int, int]]:
         bounds = np.linspace(0, self.num_envs, len(self._pipes) + 1).astype(int)
@@ -355,7 +284,7 @@ class SubprocVecEnv:
         if self._local is not None:
             self._local.reset(self._last_reset)
         else:
-            self._broadcast("reset", [self._last_reset.slice(a, b) for a, b in self._slices()])
+            self._broadcast("reset", [self._last_reset.slice(a, b) for a, b in self._slices()], on_crash="restart")
         self.tracker.reset()
         return self._obs("obs"), {}
 
@@ -370,7 +299,7 @@ class SubprocVecEnv:
         else:
             # the last good observations: what a failed episode ends on
             before = {k: self.buf[f"obs/{k}"].copy() for k in self.obs_spec} if self.restart_crashed else None
-            _, restarted = self._broadcast("step", [observe] * len(self._pipes), restart=self.restart_crashed)
+            _, restarted = self._broadcast("step", [observe] * len(self._pipes), on_crash="restart")
             for rank in restarted:
                 error[slice(*self._slices()[rank])] = True
             self._end_failed_episodes(error, before)
@@ -404,22 +333,30 @@ class SubprocVecEnv:
         """With True, episodes end only at the time limit (evaluation protocol)."""
         self._ignore_terminations = flag
         if self._local is not None:
-            self._local.ignore_terminations = flag
+            self._local.set_ignore_terminations(flag)
         else:
-            self._broadcast("ignore_terminations", [flag] * len(self._pipes))
+            self._broadcast("ignore_terminations", [flag] * len(self._pipes), on_crash="stop")
 
     def render(self, env_index: int = 0) -> np.ndarray:
-        """RGB frame ``[H, W, 3]`` uint8 of one env (needs render support in the backend)."""
+        """RGB frame ``[H, W, 3]`` uint8 of one env (needs render support in the backend). A
+        process that fails meanwhile raises EnvCrashedError (see the class docstring)."""
         if self._local is not None:
-            return self._local.envs[env_index].render()
-        for rank, (a, b) in enumerate(self._slices()):
-            if a <= env_index < b:
-                self._pipes[rank].send(("render", env_index - a))
-                status, payload = self._pipes[rank].recv()
-                if status == "error":
-                    raise EnvCrashedError(f"Env worker process {rank} raised:\n{payload}")
-                return payload
-        raise IndexError(env_index)
+            return self._local.render(env_index)
+        if not 0 <= env_index < self.num_envs:
+            raise IndexError(f"env_index {env_index} is not one of the {self.num_envs} envs")
+        rank, (start, _) = next((r, s) for r, s in enumerate(self._slices()) if s[0] <= env_index < s[1])
+        self._send(rank, "render", env_index - start)
+        try:
+            return self._answer(rank, self.timeout_s)
+        except EnvCrashedError as err:
+            if not self.restart_crashed:
+                self.close(force=True)
+                raise
+            self._stop(rank)
+            raise EnvCrashedError(
+                f"{err}\nThe frame is lost with the episode it would show. The process was stopped "
+                "(env.restart_crashed): the next step replaces it and ends its envs' episodes as failed by error."
+            ) from None
 
     def _obs(self, prefix: str) -> Obs:
         return {k: torch.from_numpy(self.buf[f"{prefix}/{k}"].copy()) for k in self.obs_spec}
@@ -432,14 +369,15 @@ class SubprocVecEnv:
             try:
                 if not force and proc.is_alive():
                     pipe.send(("close", None))
-                    pipe.poll(10)
-            except (BrokenPipeError, OSError):
+                    wait([pipe, proc.sentinel], 10)  # its reply or its exit, whichever comes first
+            except OSError:
                 pass
+            pipe.close()
             proc.join(timeout=5 if not force else 0.5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        self._pipes, self._procs = [], []
+        self._pipes, self._procs, self._sent = [], [], []
         for block in self._blocks.values():
             block.close()
             block.unlink()

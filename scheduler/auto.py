@@ -39,11 +39,11 @@ def profile_sizes(num_envs: int) -> list[int]:
     return sorted({max(1, num_envs // 4), max(1, num_envs // 2), num_envs})
 
 
-def workload_of(cfg, profile: Profile) -> Workload:
-    """An iteration of ``cfg``: its envs, decisions per env and (GRPO) group size."""
-    group = cfg.algorithm.group_size if cfg.algorithm.advantage == "grpo" else 1
+def workload_of(cfg, profile: Profile, group_size: int) -> Workload:
+    """An iteration of ``cfg``: its envs, decisions per env and ``group_size``, the envs its
+    algorithm needs in one micro-batch (GRPO's groups; 1: any split)."""
     sharded = resolve_strategy(cfg.placement.data_parallel, profile.parameters) == "fsdp"
-    return Workload(cfg.env.num_envs, cfg.algorithm.rollout_steps or profile.episode_steps, group, sharded)
+    return Workload(cfg.env.num_envs, cfg.algorithm.rollout_steps or profile.episode_steps, group_size, sharded)
 
 
 def auto_placement(cfg, devices: int, device_kind: str, runners: StageRunners, log=print) -> AutoPlan:
@@ -54,7 +54,8 @@ def auto_placement(cfg, devices: int, device_kind: str, runners: StageRunners, l
     profile, path, measured = cached_profile(cfg, profile_sizes(cfg.env.num_envs), devices,
                                              Path(cfg.placement.profile_dir), runners, log)
     seconds = time.perf_counter() - started
-    choice = plan(profile, workload_of(cfg, profile), devices, offload=profile.device_kind == "gpu")
+    workload = workload_of(cfg, profile, runners.algorithm(cfg.algorithm).group_size)
+    choice = plan(profile, workload, devices, offload=profile.device_kind == "gpu")
     if choice.best is None:
         raise UserError(f"placement.mode=auto found no plan that fits {devices} {device_kind} device(s): "
                         f"{choice.table[0].infeasible}. Give the run more devices, fewer envs or a smaller "

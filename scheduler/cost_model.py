@@ -82,7 +82,7 @@ class Profile:
 
     env_step: Curve  # one step of n envs
     infer: Curve  # one policy act on n observations
-    train: Curve  # one PPO update (all epochs) over n samples
+    train: Curve  # one update of the run's algorithm (PPO: all epochs) over n samples
     hop_s: float = 0.0  # a lone message's env -> rollout -> env round trip through the channel
     message_s: float = 0.0  # each further message of a step (pipelined micro-batches, more env workers)
     shared_message_s: float = 0.0  # the same where env and rollout workers share every device (colocated)

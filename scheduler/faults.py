@@ -13,6 +13,11 @@ deadline, becomes a :class:`WorkerFailure` naming each faulty worker as a :class
   (a simulator stuck inside a step);
 - ``crashed``: it raised (an env process that crashed below an EnvWorker).
 
+A rank whose constructor outlives its start-up deadline (first start or replacement) is ``hung``
+too: :func:`scheduler.worker.wait_ready` raises that :class:`WorkerFailure`. The fault classes
+are defined in scheduler/worker.py for that reason (this module builds on it); import them from
+either.
+
 A deadline is ``max(floor, factor x the slowest of the call's recent durations)``, or a fixed
 override; before a call was ever measured it is the start-up deadline (the first rollout pays
 for imports and renderer set-up).
@@ -26,40 +31,9 @@ import re
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from envs.common import UserError
-from scheduler.worker import WorkerGroup
-
-FAULT_KINDS = {"dead": "died", "hung": "hung", "node_failed": "was lost with its node", "crashed": "raised"}
-
-
-@dataclass
-class WorkerFault:
-    """One worker that failed during a call the runner waited on."""
-
-    group: str  # "env" | "rollout" | "actor"
-    rank: int
-    kind: str  # a key of FAULT_KINDS
-    call: str  # what the runner waited on, e.g. "rollout" or "actor.update"
-    detail: str  # one line: the error, or the deadline that passed
-    pid: int | None = None
-    node_id: str | None = None
-    log_tail: list[str] = field(default_factory=list)  # the worker's last log lines (Ray's log files)
-
-    def describe(self) -> str:
-        return (f"{self.group} worker rank {self.rank} (pid {self.pid}) {FAULT_KINDS[self.kind]} "
-                f"during {self.call}: {self.detail}")
-
-
-class WorkerFailure(Exception):
-    """A call the runner waited on failed; ``faults`` names the workers to replace (empty: every
-    worker answers and none is stuck in its own work, so the call stalled between them)."""
-
-    def __init__(self, call: str, faults: list[WorkerFault], detail: str):
-        self.call, self.faults, self.detail = call, faults, detail
-        names = "; ".join(f.describe() for f in faults) or f"no worker at fault ({detail})"
-        super().__init__(f"{call} failed: {names}")
+from scheduler.worker import WorkerFailure, WorkerFault, WorkerGroup
 
 
 class RestartBudgetExceeded(Exception):

@@ -20,7 +20,7 @@ on those observations:
 
 - ``infer``: the policy's ``act`` on ``n`` observations (CPU: ``placement.torch_threads``
   threads, as a rollout worker on its slot);
-- ``train``: one PPO update (the algorithm's epochs and minibatches) over ``n`` samples
+- ``train``: one update of the run's algorithm (a steady-state iteration's) over ``n`` samples
   (CPU: ``placement.actor_threads`` threads, as the actor updates while the other groups
   wait and leave it every core);
 - ``offload``: the actor's weights and optimizer state off the device and back;
@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -59,7 +60,16 @@ from scheduler.offload import DeviceState
 from scheduler.placement import to_placement
 from scheduler.worker import resident_mib
 
-PROFILE_VERSION = 10
+PROFILE_VERSION = 11
+
+
+class ProfiledAlgorithm(Protocol):
+    """What the profiler needs of the run's algorithm (``embodied.algorithms.base.Algorithm``)."""
+
+    def make_optimizer(self, policy: torch.nn.Module) -> torch.optim.Optimizer: ...
+
+    def profiled_update(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        batch: Trajectory) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -67,15 +77,16 @@ class StageRunners:
     """What the profiler runs, handed down by the trainer (``embodied/``, a layer above):
     the scheduler measures the trainer's own stages without importing it.
 
-    - ``start_workers(cfg)``: the trainer's worker groups, placed as ``cfg.placement`` says
-      (``embodied.runner.start_workers``; the profiler calls ``reset_envs``, ``rollout_steps``,
-      ``prepare_generation``, ``env``, ``action_dim``, ``max_episode_steps`` and ``shutdown``);
-    - ``update(policy, optimizer, batch, algorithm_cfg)``: one update of the algorithm
-      (``embodied.algorithms.ppo.ppo_update``) on a trajectory batch.
+    - ``start_workers(cfg)``: the trainer's worker groups, placed as ``cfg.placement`` says, for
+      rollouts only (``embodied.runner.start_workers``; the profiler calls ``reset_envs``,
+      ``rollout_steps``, ``prepare_generation``, ``env``, ``action_dim``, ``max_episode_steps`` and
+      ``shutdown``);
+    - ``algorithm(algorithm_cfg)``: the run's algorithm (``embodied.algorithms.registry.make_algorithm``),
+      whose optimizer and steady-state update the profiler times on a trajectory batch.
     """
 
     start_workers: Callable
-    update: Callable
+    algorithm: Callable[..., ProfiledAlgorithm]
 
 
 def hardware() -> dict:
@@ -96,7 +107,8 @@ def profile_key(cfg, sizes: list[int]) -> str:
         "version": PROFILE_VERSION, "hardware": hardware(), "sizes": sizes,
         "env": dataclasses.asdict(cfg.env) | {"num_envs": None, "num_procs": None},
         "policy": dataclasses.asdict(cfg.policy),
-        "algorithm": {k: getattr(cfg.algorithm, k) for k in ("update_epochs", "num_minibatches", "logprob_level")},
+        "algorithm": {k: getattr(cfg.algorithm, k) for k in ("name", "update_epochs", "num_minibatches",
+                                                               "logprob_level")},
         "threads": [cfg.placement.torch_threads, cfg.placement.actor_threads],
     }
     return hashlib.sha1(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -135,9 +147,9 @@ def _batch(obs: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
 
 
 def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_sizes: list[int], repeats: int,
-                   device: torch.device, update: Callable) -> dict:
-    """Inference, training and offload costs of ``cfg.policy`` under ``cfg.algorithm`` (``update``:
-    :attr:`StageRunners.update`)."""
+                   device: torch.device, algorithm: ProfiledAlgorithm) -> dict:
+    """Inference, training and offload costs of ``cfg.policy`` under ``algorithm`` (built on
+    ``cfg.algorithm`` by :attr:`StageRunners.algorithm`)."""
 
     obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in obs.items()}
     torch.manual_seed(0)
@@ -150,7 +162,7 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
         before = _memory_mib(device)
         infer_t.append(_median_seconds(lambda b=batch: policy.act(b), repeats))
         infer_m.append(weights_mib + max(_memory_mib(device) - before, 0.0))
-    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.algorithm.lr)
+    optimizer = algorithm.make_optimizer(policy)
     if device.type == "cpu":  # the actor updates with every core of its node (see ActorWorker.update)
         torch.set_num_threads(cfg.placement.actor_threads)
     train_t, train_m = [], []
@@ -158,7 +170,7 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
         batch = _train_batch(policy, {k: v.to(device) for k, v in _batch(obs, n).items()})
         before = _memory_mib(device)
         # one warm-up, at the first size: an update is the profile's slowest stage
-        train_t.append(_median_seconds(lambda b=batch: update(policy, optimizer, b, cfg.algorithm), 1, i == 0))
+        train_t.append(_median_seconds(lambda b=batch: algorithm.profiled_update(policy, optimizer, b), 1, i == 0))
         train_m.append(3 * weights_mib + max(_memory_mib(device) - before, 0.0))  # weights, grads, Adam moments
     switch = DeviceState(policy, optimizer)
     offload_s = _median_seconds(lambda: (switch.offload(), switch.onload()), repeats)
@@ -207,8 +219,8 @@ def _probe_rollout(cfg, plan: Candidate, start_workers: Callable, repeats: int =
     noise), and the median of ``repeats`` (the mean of two where a rollout lasts over twice
     ``PROBE_SECONDS``): a busy moment of Ray's own processes can slow a short rollout on a
     small machine by half."""
-    # the probe only rolls out: GRPO's rule that a rollout holds whole episodes does not apply
-    algorithm = dataclasses.replace(cfg.algorithm, rollout_steps=max(PROBE_STEPS), advantage="gae")
+    # the probe only rolls out (StageRunners.start_workers checks no update rule, e.g. whole episodes)
+    algorithm = dataclasses.replace(cfg.algorithm, rollout_steps=max(PROBE_STEPS))
     placement = to_placement(plan, cfg.placement)
     workers = start_workers(dataclasses.replace(cfg, placement=placement, algorithm=algorithm))
     try:
@@ -297,7 +309,7 @@ def measure(cfg, sizes: list[int], devices: int, runners: StageRunners, repeats:
     try:
         steps = cfg.algorithm.rollout_steps or lockstep.episode_steps
         policy = measure_policy(cfg, lockstep.obs, lockstep.action_dim, sizes, [k * steps for k in sizes[:2]],
-                                repeats, device, runners.update)
+                                repeats, device, runners.algorithm(cfg.algorithm))
     finally:
         torch.set_num_threads(threads)
         gc.collect()

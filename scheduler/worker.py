@@ -3,20 +3,63 @@
     group = WorkerGroup(EnvWorker, "env", plan, env_cfg=...)
     group.call("reset", seed=1)          # -> [result of rank 0, result of rank 1, ...]
     refs = group.call_async("interact", ...)   # -> list of ObjectRefs
+
+Starting a rank has a deadline too (:func:`wait_ready`): a constructor that hangs is a
+:class:`WorkerFailure` naming the rank as ``hung``, as the runner's watchdog
+(scheduler/faults.py) reports a call that hangs. The fault classes live here, not in faults.py,
+because faults.py builds on :class:`WorkerGroup` and the import chain must not loop back.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from scheduler.placement import Plan
+
+# How long a rank's constructor may take, first start or replacement, where the caller gives no
+# deadline: the default of runner.first_call_deadline_s, the deadline of every call not yet measured
+# (a start pays for imports, renderer and device set-up as a first call does). The runner passes
+# that key's value; this is the fallback for other callers (embodied/sft.py, tests).
+START_DEADLINE_S = 900.0
+
+FAULT_KINDS = {"dead": "died", "hung": "hung", "node_failed": "was lost with its node", "crashed": "raised"}
+
+
+@dataclass
+class WorkerFault:
+    """One worker that failed during a call the runner waited on (or while it started)."""
+
+    group: str  # "env" | "rollout" | "actor"
+    rank: int
+    kind: str  # a key of FAULT_KINDS
+    call: str  # what the runner waited on, e.g. "rollout" or "actor.update"
+    detail: str  # one line: the error, or the deadline that passed
+    pid: int | None = None
+    node_id: str | None = None
+    log_tail: list[str] = field(default_factory=list)  # the worker's last log lines (Ray's log files)
+
+    def describe(self) -> str:
+        # a worker that never finished starting never told its pid
+        pid = f" (pid {self.pid})" if self.pid is not None else ""
+        return f"{self.group} worker rank {self.rank}{pid} {FAULT_KINDS[self.kind]} during {self.call}: {self.detail}"
+
+
+class WorkerFailure(Exception):
+    """A call the runner waited on failed; ``faults`` names the workers to replace (empty: every
+    worker answers and none is stuck in its own work, so the call stalled between them)."""
+
+    def __init__(self, call: str, faults: list[WorkerFault], detail: str):
+        self.call, self.faults, self.detail = call, faults, detail
+        names = "; ".join(f.describe() for f in faults) or f"no worker at fault ({detail})"
+        super().__init__(f"{call} failed: {names}")
 
 
 @dataclass(frozen=True)
@@ -139,18 +182,27 @@ class WorkerGroup:
     A rank that died or hung is replaced by :meth:`replace` (same rank, same arguments);
     :meth:`restart` replaces them all. ``get`` is how :meth:`call` waits for its results: plain
     ``ray.get``, or the runner's watchdog, which gives every call a deadline (scheduler/faults.py).
+    Every start, the first and each replacement, waits at most ``start_deadline_s`` for the
+    constructors (:func:`wait_ready`).
     """
 
     def __init__(self, cls: type, name: str, plan: Plan, torch_threads: int = 1,
-                 per_rank_kwargs: list[dict] | None = None, wait: bool = True, **kwargs: Any):
+                 per_rank_kwargs: list[dict] | None = None, wait: bool = True,
+                 start_deadline_s: float = START_DEADLINE_S, **kwargs: Any):
         self.name = name
         self._cls, self._plan, self._threads = cls, plan, torch_threads
         self._per_rank_kwargs, self._kwargs = per_rank_kwargs, kwargs
+        self.start_deadline_s = start_deadline_s
         self.get: Callable[[list, str], list] = _ray_get
         self.processes: list[WorkerProcess | None] = [None] * plan.groups[name].num_workers
         self.workers = [self._start(rank) for rank in range(len(self.processes))]
         if wait:
-            wait_ready(self)
+            try:
+                wait_ready(self)
+            except BaseException:
+                # the caller never gets this group to shut down: its ranks would hold their slots
+                self.shutdown()
+                raise
 
     def _start(self, rank: int):
         """Start rank ``rank``'s actor (not waiting for its constructor)."""
@@ -256,11 +308,36 @@ def _this_node() -> str:
 def wait_ready(*groups: WorkerGroup) -> None:
     """Wait until every worker of ``groups`` is constructed (groups started with ``wait=False``
     come up side by side), and note where each runs; fail here, with the worker's own error, if
-    a constructor raised."""
+    a constructor raised. A rank still starting after its group's ``start_deadline_s`` is killed
+    and raised as a :class:`WorkerFailure` naming it ``hung`` (what the runner recovers from)."""
     import ray
 
-    pending = [(group, rank) for group in groups for rank in range(len(group.workers))
-               if group.processes[rank] is None]
-    found = ray.get([group.workers[rank].process.remote() for group, rank in pending])
-    for (group, rank), process in zip(pending, found, strict=True):
-        group.processes[rank] = process
+    pending = {group.workers[rank].process.remote(): (group, rank) for group in groups
+               for rank in range(len(group.workers)) if group.processes[rank] is None}
+    started = time.monotonic()
+    while pending:
+        elapsed = time.monotonic() - started
+        late = [(group, rank) for group, rank in pending.values() if elapsed >= group.start_deadline_s]
+        if late:
+            raise _start_failure(late)
+        wait_s = min(group.start_deadline_s for group, _ in pending.values()) - elapsed
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s, fetch_local=False)
+        for ref in ready:
+            group, rank = pending.pop(ref)
+            group.processes[rank] = ray.get(ref)  # a constructor's error surfaces here, as Ray reports it
+
+
+def _start_failure(late: list[tuple[WorkerGroup, int]]) -> WorkerFailure:
+    """Kill the ranks whose constructors outlived their deadline (a hung one would hold its slot
+    and could still come up later, unseen) and name them as hung."""
+    faults = []
+    for group, rank in late:
+        group.kill(rank)
+        node = group._plan.device(group.name, rank).node_id
+        faults.append(WorkerFault(
+            group.name, rank, "hung", f"{group.name} start-up",
+            f"its constructor did not return within the start-up deadline of {group.start_deadline_s:g} s; "
+            "find where it waits in its log lines (a simulator or device that never comes up, a download), "
+            "or raise runner.first_call_deadline_s if starting is legitimately that slow", node_id=node))
+    call = " and ".join(dict.fromkeys(group.name for group, _ in late)) + " start-up"
+    return WorkerFailure(call, faults, "a worker did not start in time")

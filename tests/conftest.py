@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -19,13 +21,58 @@ warnings.filterwarnings("ignore", message=".*libvulkan.*")
 torch.set_num_threads(1)
 
 
+TIERS = ("unit", "integration", "e2e")
+WHOLE_COMMANDS = ("run_cli(", "cli_main(", "main([")  # a test that runs `embodied <command>` is end to end
+
+
+def tier(item) -> str:
+    """A test's tier: its own marker (or its module's ``pytestmark``), else ``e2e`` if it runs a whole
+    command, ``integration`` if it uses the Ray cluster, ``unit`` otherwise. A unit test starts no
+    process (:func:`_unit_tests_start_no_process` fails one that does)."""
+    marked = [m.name for m in item.iter_markers() if m.name in TIERS]  # the closest first
+    if marked:
+        return marked[0]
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError):
+        source = ""
+    if any(call in source for call in WHOLE_COMMANDS):
+        return "e2e"
+    return "integration" if "ray_cluster" in item.fixturenames else "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the tier markers added here
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(tier(item))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request):
+    """Keeps the fast tier fast: a unit test that leaves a new child process (Ray, a simulator, a
+    subprocess) behind or ran one fails, naming the marker to give it."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    new = [f"{p.pid} {_name(p)}" for p in me.children(recursive=True) if p.pid not in before]
+    assert not new, (f"this unit test started processes ({', '.join(new)}); mark it "
+                     "@pytest.mark.integration (or e2e) so `pytest -m unit` stays the fast tier")
+
+
+def _name(process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return "?"
 
 
 @pytest.fixture(scope="session")

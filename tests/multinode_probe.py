@@ -9,7 +9,7 @@ from pathlib import Path
 import ray
 
 from embodied.config import compose
-from embodied.runner import Trainer
+from embodied.trainer import Trainer
 from tests.conftest import SMALL_OVERRIDES
 
 

@@ -13,6 +13,8 @@ from envs.chunking import ChunkedVecEnv
 from envs.registry import make_vec_env
 from tests.conftest import small_config
 
+pytestmark = pytest.mark.integration  # ManiSkill envs in this process: not the fast tier
+
 CHUNK = 3
 
 

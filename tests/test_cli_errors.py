@@ -1,12 +1,17 @@
 """Bad input: one paragraph naming the fix, exit code 2, no traceback."""
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from envs.common import UserError
 from tests.conftest import REPO, run_cli
 
 CASES = {
@@ -107,14 +112,14 @@ def _assert_one_paragraph(code: int, stderr: str, must_mention: list[str]) -> No
 @pytest.fixture
 def no_ray(monkeypatch):
     """Bad input is refused before any worker starts: starting Ray fails the test."""
-    import embodied.cli
+    import embodied.commands.plan
     import embodied.runner
 
     def refuse(*args, **kwargs):
         raise AssertionError("the command started Ray before refusing its input")
 
     monkeypatch.setattr(embodied.runner, "start_cluster", refuse)
-    monkeypatch.setattr(embodied.cli, "start_cluster", refuse)
+    monkeypatch.setattr(embodied.commands.plan, "start_cluster", refuse)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -299,3 +304,89 @@ def test_cfg_job_prints_the_config_of_every_command_and_runs_nothing(command, no
     assert main([command, "env=libero_spatial", "eval.trials_per_task=3", "--cfg", "job"]) == 0
     printed = capsys.readouterr().out
     assert "task: libero_spatial" in printed and "trials_per_task: 3" in printed
+
+
+# -- the command line: each command declares its flags, and only those -----------------------------
+
+HEAVY_PROBE = ("import sys\nfrom embodied.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+               "except SystemExit as done:\n    code = done.code\n"
+               "print(code, sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))")
+
+
+def _cli_in_fresh_process(*args: str) -> tuple[int, str, str, str]:
+    """``embodied <args>`` in a new interpreter: (exit code, the heavy packages it imported, stdout
+    without the probe's line, stderr)."""
+    proc = subprocess.run([sys.executable, "-c", HEAVY_PROBE, *args], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    *out, last = proc.stdout.strip().splitlines()
+    code, heavy = last.split(" ", 1)
+    return int(code), heavy, "\n".join(out), proc.stderr
+
+
+def test_a_flag_of_another_command_exits_2_naming_it_before_torch_or_ray_is_imported():
+    """``eval --faults 3`` was once accepted and ignored; now argparse refuses it, and says whose flag it is."""
+    code, heavy, _, stderr = _cli_in_fresh_process("eval", "--faults", "3")
+    _assert_one_paragraph(code, stderr, ["embodied eval", "unrecognized arguments: --faults", "embodied chaos"])
+    assert heavy == "[]", heavy
+
+
+@pytest.mark.parametrize("args, must_mention", [
+    (["train", "--devices", "2"], ["embodied train", "--devices", "embodied plan"]),
+    (["record", "--json"], ["embodied record", "--json", "embodied bench / plan"]),
+    (["sft", "env=libero_spatial", "--reference"], ["embodied sft", "--reference", "embodied chaos"]),
+    (["evals", "runs/x", "--cfg", "job"], ["embodied evals", "--cfg", "embodied train / sft / eval"]),
+    (["bench", "pipeline", "--config", "my.yaml"], ["embodied bench", "--config"]),
+    (["check-render", "env=libero_spatial"], ["embodied check-render", "env=libero_spatial"]),
+    (["chaos", "--faults", "many"], ["--faults", "invalid int value: 'many'"]),
+    (["plan", "--cfg", "yaml"], ["--cfg", "invalid choice"]),
+    (["trian", "env=x"], ["invalid choice: 'trian'", "embodied --help"]),
+    ([], ["required", "<command>"]),
+], ids=["train --devices", "record --json", "sft --reference", "evals --cfg", "bench --config",
+        "check-render with an override", "chaos --faults not a number", "--cfg not job", "unknown command",
+        "no command"])
+def test_a_flag_the_command_does_not_take_is_refused_with_exit_2(args, must_mention, no_ray, capsys):
+    from embodied.cli import main
+
+    _assert_one_paragraph(main(args), capsys.readouterr().err, must_mention)
+
+
+def test_help_lists_every_commands_flags_and_the_exit_codes_without_torch():
+    code, heavy, out, _ = _cli_in_fresh_process("--help")
+    assert code == 0 and heavy == "[]", (code, heavy)
+    for word in ["embodied chaos", "--faults", "--chaos-seed", "embodied plan", "--devices-per-node",
+                 "embodied bench", "--iterations", "check-render", "exit codes", "runner.max_worker_restarts"]:
+        assert word in out, (word, out)
+    code, heavy, out, _ = _cli_in_fresh_process("chaos", "--help")
+    assert code == 0 and heavy == "[]" and "--faults" in out and "--config" in out and "--devices" not in out
+
+
+def _sets(printed: str, *lines: str) -> bool:
+    """The printed YAML config has each ``key: value`` line (whole lines: 8 is not 80)."""
+    return all(re.search(rf"^\s*{re.escape(line)}$", printed, re.MULTILINE) for line in lines)
+
+
+def test_flags_and_overrides_of_a_command_still_mix_in_any_order(tmp_path, no_ray, capsys):
+    from embodied.cli import main
+
+    assert main(["plan", "--devices", "2", "--cfg", "job", "env.num_envs=8"]) == 0
+    assert _sets(capsys.readouterr().out, "num_envs: 8")
+    assert main(["train", "env.num_envs=8", "--cfg", "job", "algorithm.lr=0.001"]) == 0
+    assert _sets(capsys.readouterr().out, "num_envs: 8", "lr: 0.001")
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("env: {num_envs: 16, max_episode_steps: 20}\n")
+    assert main(["chaos", "--faults", "3", "env.num_envs=8", "--config", str(settings), "--cfg", "job"]) == 0
+    assert _sets(capsys.readouterr().out, "num_envs: 8", "max_episode_steps: 20")  # the command line wins
+
+
+def test_each_failure_has_its_own_exit_code():
+    """0 ok, 1 a check said no, 2 bad input, 3 a crash, 4 a worker fault beyond the restart budget."""
+    from embodied.cli import EXIT_CODES, EXIT_ENV_CRASH, EXIT_USER_ERROR, EXIT_WORKER_FAULT, _explain
+    from envs.subproc import EnvCrashedError
+    from scheduler.faults import RestartBudgetExceeded, WorkerFailure, WorkerFault
+
+    assert sorted(EXIT_CODES) == [0, 1, 2, 3, 4]
+    fault = WorkerFault("env", 1, "dead", "rollout", "killed")
+    assert _explain(RestartBudgetExceeded(fault, 6, 5, 60.0))[1] == EXIT_WORKER_FAULT == 4
+    assert _explain(WorkerFailure("evaluate", [fault], "killed"))[1] == EXIT_WORKER_FAULT
+    assert _explain(EnvCrashedError("Env worker process 0 died"))[1] == EXIT_ENV_CRASH == 3
+    assert _explain(UserError("bad"))[1] == EXIT_USER_ERROR == 2

@@ -65,7 +65,7 @@ def test_every_numeric_key_declares_its_range():
 def test_a_numeric_key_outside_its_range_is_refused_and_its_bounds_are_not(key, allowed):
     """On the default config with one key changed (``compose`` runs the same ``check_ranges``: the
     CLI cases in tests/test_cli_errors.py go through it)."""
-    from embodied.config import check_ranges
+    from embodied.config_ranges import check_ranges
 
     def with_value(value) -> TrainConfig:
         cfg = TrainConfig()
@@ -85,7 +85,7 @@ def test_a_numeric_key_outside_its_range_is_refused_and_its_bounds_are_not(key, 
 
 def test_a_config_file_picks_options_and_sets_keys_and_the_command_line_wins(tmp_path):
     """``embodied <command> --config my.yaml``: the file's settings, then the command line's overrides."""
-    from embodied.config import file_overrides
+    from embodied.config_files import file_overrides
 
     mine = tmp_path / "my.yaml"
     mine.write_text("env: maniskill_pushcube_rgb\npolicy: cnn\n"
@@ -100,7 +100,7 @@ def test_a_config_file_picks_options_and_sets_keys_and_the_command_line_wins(tmp
 
 
 def test_a_config_file_may_pick_options_in_a_defaults_list_and_set_keys_of_the_same_sections(tmp_path):
-    from embodied.config import file_overrides
+    from embodied.config_files import file_overrides
 
     mine = tmp_path / "my.yaml"
     mine.write_text("defaults: [{env: libero_10}, {algorithm: grpo}]\nenv: {num_envs: 16}\nalgorithm: {lr: 1.0e-5}\n")

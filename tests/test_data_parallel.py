@@ -154,7 +154,7 @@ def assert_same_state(got: dict, expected: dict) -> None:
 # -- the runner with two actor ranks ---------------------------------------------------------
 def _first_iteration(cfg, run_dir) -> tuple[dict, dict]:
     """Weights after one training iteration of ``cfg``, and the actor's whole state."""
-    from embodied.runner import Trainer
+    from embodied.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir)
     try:
@@ -168,7 +168,7 @@ def _first_iteration(cfg, run_dir) -> tuple[dict, dict]:
 def test_a_run_on_two_fsdp_ranks_trains_as_one_rank_and_its_checkpoint_loads_on_one(ray_cluster, tmp_path):
     """The runner's split of the rollout workers' trajectories over actor ranks (one trajectory
     cut in two here), the sharded weight sync and a whole-state checkpoint another rank count loads."""
-    from embodied.runner import Trainer
+    from embodied.trainer import Trainer
     from tests.conftest import small_config
 
     two = small_config("placement.actor_workers=2", "placement.actor=0-1", "placement.data_parallel=fsdp")

@@ -4,6 +4,7 @@ real workers; per-task tables; videos from the eval's own frames; LIBERO's (task
 import json
 
 import imageio.v2 as imageio
+import numpy as np
 import pytest
 
 from embodied.config import compose
@@ -18,7 +19,7 @@ from embodied.runner import start_workers
 from envs.libero import decode_seed, episode_seed
 from envs.registry import seed_scheme, training_reset_seeds
 from envs.seeds import RunSeeds
-from tests.conftest import small_config
+from tests.conftest import REPO, small_config
 
 
 def test_libero_eval_seeds_are_every_task_init_pair_once_grouped_by_task():
@@ -102,6 +103,44 @@ def test_cli_eval_on_libero_writes_the_per_task_table_and_a_video_per_task(ray_c
     assert len(videos) == 2
     frames = imageio.mimread(videos[1])
     assert len(frames) == 5 and frames[0].shape[1] == 2 * frames[0].shape[0]  # agentview | wrist
+
+
+def test_eval_of_a_public_checkpoint_config_shows_the_policy_robosuites_default_render(ray_cluster):
+    """The shipped tiny L1 OFT fixture evaluated with its public config (256 px, ``reference``
+    rendering), through the eval's own workers and env processes: the episode's first frame (both
+    cameras, after the reset and the settle steps) equals byte for byte what a plain LIBERO
+    ``ControlEnv`` with robosuite's defaults renders for that episode, replayed as the authors do.
+    Later frames follow from the same env code: test_libero.py replays actions through both."""
+    from libero.libero.envs.env_wrapper import ControlEnv
+
+    from envs.libero import NOOP_ACTION, suite_tasks
+
+    fixture = REPO / "assets" / "reference" / "openvla_oft_l1_tiny"
+    cfg = compose(["env=libero_spatial", "policy=openvla_oft_7b_libero", f"policy.model_path={fixture}",
+                   "policy.dtype=float32", "policy.unnorm_key=libero_spatial_no_noops", "env.num_envs=1",
+                   "placement.env_workers=1", "env.max_episode_steps=8", "runner.progress=false"])
+    assert (cfg.env.image_size, cfg.env.rendering) == (256, "reference")  # what the public config sets
+    seed = episode_seed(0, 2)
+    workers = start_workers(cfg)
+    try:
+        _, videos = workers.evaluate([seed], deterministic=True, record={0})
+    finally:
+        workers.shutdown()
+    frames = videos[0]["frames"]
+    assert frames.shape == (1 + 8, 256, 512, 3) and not (frames[0] == frames[-1]).all()  # the checkpoint acted
+    task, init = decode_seed(seed)
+    plain = ControlEnv(bddl_file_name=suite_tasks("libero_spatial")[task].bddl_file, camera_heights=256,
+                       camera_widths=256)
+    try:
+        plain.seed(seed)
+        plain.reset()
+        plain.set_init_state(suite_tasks("libero_spatial")[task].init_states[init])
+        for _ in range(10):
+            raw = plain.step(NOOP_ACTION)[0]
+    finally:
+        plain.close()
+    authors = np.concatenate([raw["agentview_image"][::-1], raw["robot0_eye_in_hand_image"][::-1]], axis=1)
+    np.testing.assert_array_equal(frames[0], authors)
 
 
 @pytest.mark.parametrize("successes,episodes", [(0, 10), (3, 10), (20, 100), (100, 100), (1, 1)])

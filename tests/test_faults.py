@@ -1,7 +1,7 @@
 """A run survives its workers: real Ray, real ManiSkill, real signals.
 
 A worker killed (SIGKILL) or stopped (SIGSTOP) mid-run is found, replaced, and the run completes
-its iterations and its final evaluation; beyond the restart budget it stops with exit code 3, a
+its iterations and its final evaluation; beyond the restart budget it stops with exit code 4, a
 checkpoint written then, and a message. Plus the pure logic: deadlines, the budget's window, the
 chaos schedule.
 """
@@ -9,15 +9,23 @@ chaos schedule.
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 
+import cloudpickle
 import pytest
 
+import tests.test_faults as this_module
 from embodied.chaos import ChaosMonkey, Injection, draw_schedule, report
 from embodied.checkpoint import load_checkpoint
-from embodied.runner import Trainer
-from scheduler.faults import Deadlines, RestartBudget
+from embodied.trainer import Trainer
+from scheduler.faults import Deadlines, RestartBudget, WorkerFailure
+from scheduler.worker import Worker, WorkerGroup
 from tests.conftest import SMALL_OVERRIDES, run_cli, small_config
+
+# Ray workers cannot import the tests package: ship this module's classes by value
+cloudpickle.register_pickle_by_value(this_module)
 
 # 6 iterations of 40 env steps; quick deadlines, so a stopped worker is found in seconds
 FAULTY = ["runner.total_env_steps=240", "runner.checkpoint_every=2", "runner.call_deadline_floor_s=4",
@@ -51,6 +59,47 @@ def test_the_chaos_schedule_is_seeded_spread_and_hits_every_target():
     assert [i.iteration for i in a] == sorted(i.iteration for i in a)
     assert {i.target for i in a} == {"env", "rollout", "actor"}
     assert {i.how for i in a} <= {"kill", "stop"}
+
+
+class HangsWhileStarting(Worker):
+    """A worker whose constructor never returns: always, or (``marker``) once that file exists,
+    so that the first start succeeds and the replacement hangs."""
+
+    def __init__(self, marker: str = "", **kwargs):
+        super().__init__(**kwargs)
+        if not marker or os.path.exists(marker):
+            time.sleep(3600)
+
+
+@pytest.mark.parametrize("start", ["first", "replacement"])
+def test_a_worker_whose_constructor_hangs_is_reported_hung_within_its_start_deadline(ray_cluster, tmp_path, start):
+    from embodied.config import PlacementConfig
+    from scheduler.cluster import cluster_devices
+    from scheduler.placement import make_plan
+
+    plan = make_plan(PlacementConfig(env_workers=1, env="0", rollout="0", actor="1"), cluster_devices(), num_envs=1)
+    marker = tmp_path / "hang"
+    group = None
+    if start == "replacement":
+        group = WorkerGroup(HangsWhileStarting, "env", plan, marker=str(marker), start_deadline_s=120)
+        group.start_deadline_s = 3
+        marker.touch()
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerFailure) as failure:
+            if group is None:
+                WorkerGroup(HangsWhileStarting, "env", plan, start_deadline_s=3)
+            else:
+                group.replace(0)
+        elapsed = time.monotonic() - started
+    finally:
+        if group is not None:
+            group.shutdown()
+    assert 3 <= elapsed < 15, elapsed
+    (fault,) = failure.value.faults  # the hung rank, named as the watchdog names a hang: the runner replaces it
+    assert (fault.group, fault.rank, fault.kind) == ("env", 0, "hung")
+    assert "env worker rank 0 hung during env start-up" in str(failure.value)
+    assert "start-up deadline of 3 s" in str(failure.value) and "runner.first_call_deadline_s" in str(failure.value)
 
 
 def _train_with(tmp_path, *injections: Injection, overrides: tuple[str, ...] = ()):
@@ -128,12 +177,12 @@ def test_embodied_chaos_reports_the_faults_it_injected_and_the_run_survived(tmp_
     assert "detected and survived" in (run_dir / "chaos.md").read_text()
 
 
-def test_beyond_the_restart_budget_the_run_stops_with_exit_3_a_fresh_checkpoint_and_the_message(tmp_path):
+def test_beyond_the_restart_budget_the_run_stops_with_exit_4_a_fresh_checkpoint_and_the_message(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL_OVERRIDES, *FAULTY, "runner.checkpoint_every=1000", "runner.max_worker_restarts=0",
             f"runner.run_dir={run_dir}", "ray.num_cpus=2"]
     proc = run_cli("chaos", *args, "--faults", "1", "--targets", "env", timeout=600)
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.returncode == 4, proc.stderr[-3000:]
     message = proc.stderr[proc.stderr.index("error: "):]
     assert "env worker rank" in message and "runner.max_worker_restarts=0" in message
     assert f"embodied train resume={run_dir}" in message

@@ -21,6 +21,8 @@ from envs.libero import (
     suite_tasks,
 )
 
+pytestmark = pytest.mark.integration  # simulators in this process or env processes: not the fast tier
+
 GRIPPER_OPEN_NOOP = np.array([0, 0, 0, 0, 0, 0, -1.0])
 
 
@@ -185,7 +187,7 @@ def test_grpo_trains_on_libero_through_the_runner(ray_cluster, tmp_path):
     """Two GRPO iterations of the Trainer: each resets the envs in groups and runs one whole
     6-step episode per env; every step of those episodes is a training sample."""
     from embodied.config import compose
-    from embodied.runner import Trainer
+    from embodied.trainer import Trainer
 
     cfg = compose(["env=libero_spatial", "algorithm=grpo", "algorithm.group_size=2",
                    "algorithm.filter_uniform_groups=false", "algorithm.ent_coef=0.01", "policy=cnn",

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from embodied.config import file_overrides
+from embodied.config_files import file_overrides
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration  # two local Ray nodes: not the fast tier
 
 RAY = str(Path(sys.executable).parent / "ray")
 

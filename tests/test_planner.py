@@ -169,9 +169,9 @@ def test_a_saved_profile_answers_what_if_questions_offline(tmp_path, capsys):
     result = json.loads(proc.stdout)
     assert result["devices"] == 8 and result["best"] == result["candidates"][0]["plan"]
     assert len(result["candidates"]) == len(candidates(8))
-    from embodied.cli import cmd_plan
+    from embodied.commands.plan import show_plans
 
-    assert cmd_plan(["env.num_envs=64"], 16, str(path), True, devices_per_node=8) == 0
+    assert show_plans(["env.num_envs=64"], 16, str(path), True, devices_per_node=8) == 0
     assert json.loads(capsys.readouterr().out)["nodes"] == 2
     proc = run_cli("plan", "--profile", str(tmp_path / "missing.json"))
     assert proc.returncode == 2 and "no such file" in proc.stderr

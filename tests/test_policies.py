@@ -31,6 +31,7 @@ def test_unknown_policy_name_is_a_user_error():
         make_policy(cfg.policy, STATE_SPEC, 8)
 
 
+@pytest.mark.integration  # renders a ManiSkill scene
 def test_cnn_on_rendered_camera_observations():
     cfg = compose(["env=maniskill_pushcube_rgb", "policy=cnn"])
     env = make_vec_env(cfg.env, num_envs=2, num_procs=0)

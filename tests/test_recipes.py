@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from embodied.checks import check_run_config
-from embodied.config import compose, file_overrides
+from embodied.config import compose
+from embodied.config_files import file_overrides
 from policies.registry import check_trainable
 from tests.conftest import REPO
 

@@ -23,6 +23,7 @@ def _claim(parent: str, barrier, out) -> None:
     out.put(str(make_unique_dir(Path(parent), "PushCube-v1-mlp-20261202-120000")))
 
 
+@pytest.mark.integration  # eight processes
 def test_commands_started_at_once_get_their_own_directories(tmp_path):
     """Eight processes claim the same name in the same instant: eight directories."""
     ctx = mp.get_context("spawn")
@@ -88,13 +89,13 @@ def test_results_join_a_run_dir_holding_other_files_and_leave_them(tmp_path):
 
 def test_an_eval_stopped_before_its_end_leaves_no_directory(tmp_path, monkeypatch):
     """``embodied eval`` makes its result directory only once the episodes have run."""
-    from embodied import cli
+    from embodied.commands import eval as eval_command
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "_run_protocol", interrupted)
+    monkeypatch.setattr(eval_command, "run_protocol", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        cli.cmd_eval(["eval.episodes=2"])
+        eval_command.evaluate(["eval.episodes=2"])
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []

@@ -17,6 +17,8 @@ from envs.registry import make_vec_env
 from policies.registry import make_policy
 from policies.vla.action_tokenizer import ActionStats
 
+pytestmark = pytest.mark.integration  # motion-planner demos replayed in ManiSkill, Ray workers: not the fast tier
+
 OVERRIDES = ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.max_episode_steps=100",
              "policy=openvla_oft_tiny", "sft.demos=2", "sft.epochs=6", "sft.batch_size=32", "sft.lr=1e-3",
              "runner.progress=false"]

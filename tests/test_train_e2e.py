@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from embodied.checkpoint import load_checkpoint
-from embodied.runner import Trainer
+from embodied.trainer import Trainer
 from policies.registry import make_policy
 from tests.conftest import run_cli, small_config, tb_scalars
 
@@ -90,7 +90,7 @@ def test_grpo_trains_a_token_policy_on_whole_horizon_episodes_in_groups(ray_clus
 ])
 def test_success_ends_training_episodes_for_ppo_and_not_for_grpo_unless_set(overrides, ends):
     from embodied.config import compose
-    from embodied.runner import success_ends_episode
+    from embodied.trainer import success_ends_episode
 
     assert success_ends_episode(compose(overrides)) is ends
 

@@ -8,6 +8,8 @@ from envs.base import EpisodeTracker, VecEnv, episode_rows
 from envs.registry import make_vec_env
 from tests.conftest import small_config
 
+pytestmark = pytest.mark.integration  # simulators in this process or env processes: not the fast tier
+
 
 @pytest.fixture(scope="module")
 def env_cfg():

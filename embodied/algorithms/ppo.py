@@ -1,4 +1,4 @@
-"""The PPO update: advantages, then epochs of minibatch gradient steps.
+"""PPO (:class:`PPO`, ``algorithm=ppo``): advantages, then epochs of minibatch gradient steps.
 
 Read top to bottom, CleanRL style. A :class:`~envs.messages.Trajectory` from the rollout
 workers is time-major (``[T, B, ...]``); :func:`flatten_time` turns it into the ``N``
@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from embodied.algorithms.advantages import ADVANTAGES
-from embodied.algorithms.logprob_levels import group_logprobs
+from embodied.algorithms.advantages import ADVANTAGES, OUTCOME_ADVANTAGES
+from embodied.algorithms.base import ALGORITHMS, Algorithm
+from embodied.algorithms.logprob_levels import LOGPROB_LEVELS, group_logprobs
 from embodied.algorithms.losses import LOSSES, LossTerms, critic_loss, kl_to_reference
+from envs.common import UserError
 from envs.messages import Trajectory
 from scheduler.data_parallel import SINGLE, DataParallel
 
@@ -226,3 +228,44 @@ def _sum_over_ranks(stats: dict[str, float], share: float, dp: DataParallel) -> 
 def _float(norm: torch.Tensor) -> float:
     """A gradient norm as a float (FSDP's is a DTensor over the ranks)."""
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+@ALGORITHMS.register("ppo")
+class PPO(Algorithm):
+    """Proximal policy optimisation on fixed-length rollouts, with a value function (GAE).
+
+    ``algorithm.critic_warmup_iterations`` > 0: the first updates train the critic alone
+    (:func:`critic_warmup_update`), then :func:`ppo_update`."""
+
+    has_critic = True  # the advantages use the value function (GAE), so there is one to train
+
+    def check(self, run_cfg, rollout_only: bool = False) -> None:
+        algo = run_cfg.algorithm
+        for registry, name in ((ADVANTAGES, algo.advantage), (LOSSES, algo.loss), (LOGPROB_LEVELS, algo.logprob_level)):
+            registry.get(name)
+        if (algo.advantage in OUTCOME_ADVANTAGES) != self.episodic:
+            raise UserError(f"algorithm.advantage={algo.advantage} does not fit algorithm={algo.name}: an estimator "
+                            f"that scores whole episodes needs iterations of whole episodes, and "
+                            f"{'only' if self.episodic else 'no'} such estimators fit this algorithm. Choose the "
+                            f"algorithm by its config (algorithm=ppo or algorithm=grpo) rather than its advantage.")
+        if algo.critic_warmup_iterations and (algo.vf_coef == 0 or not self.has_critic):
+            raise UserError(f"algorithm.critic_warmup_iterations={algo.critic_warmup_iterations} trains only the "
+                            f"value function, but algorithm={algo.name} (advantage {algo.advantage}, vf_coef "
+                            f"{algo.vf_coef}) uses none: those updates would change nothing. Set "
+                            "algorithm.critic_warmup_iterations=0, or use PPO (algorithm=ppo).")
+
+    def make_optimizer(self, policy: nn.Module) -> torch.optim.Optimizer:
+        """Adam over the trainable parameters (LoRA: adapters + value head), the critic's own in a
+        group at ``critic_lr`` if it is set (:func:`optimizer_groups`)."""
+        return torch.optim.Adam(optimizer_groups(policy, self.cfg), lr=self.cfg.lr, eps=1e-5)
+
+    def update(self, policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Trajectory, *, iteration: int = 0,
+               generator: torch.Generator | None = None, reference: nn.Module | None = None,
+               dp: DataParallel = SINGLE) -> dict[str, float]:
+        if iteration < self.cfg.critic_warmup_iterations:
+            return critic_warmup_update(policy, optimizer, batch, self.cfg, generator=generator, dp=dp)
+        return ppo_update(policy, optimizer, batch, self.cfg, generator=generator, reference=reference, dp=dp)
+
+    def profiled_update(self, policy: nn.Module, optimizer: torch.optim.Optimizer,
+                        batch: Trajectory) -> dict[str, float]:
+        return ppo_update(policy, optimizer, batch, self.cfg)  # critic warm-up updates are the few, not the many

@@ -1,4 +1,5 @@
-"""ActorWorker: holds the trainable policy and optimizer; turns trajectories into updates."""
+"""ActorWorker: holds the trainable policy, the run's algorithm and its optimizer; turns
+trajectories into updates."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from embodied.algorithms.ppo import critic_warmup_update, optimizer_groups, ppo_update
+from embodied.algorithms.registry import make_algorithm
 from envs.messages import Trajectory
 from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
@@ -37,6 +38,7 @@ class ActorWorker(Worker):
         seeds = RunSeeds(seed)
         torch.manual_seed(seeds.generator(Purpose.INIT))  # the same initial weights on every rank
         self.cfg = algorithm_cfg
+        self.algorithm = make_algorithm(algorithm_cfg)
         self.policy_cfg, self.obs_spec, self.action_dim = policy_cfg, obs_spec, action_dim
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
         # every rank draws the same minibatches: they train on the same global ones
@@ -48,11 +50,10 @@ class ActorWorker(Worker):
             self._start_training(SINGLE)
 
     def _start_training(self, dp: DataParallel) -> None:
-        """Shard the policy (fsdp), then make its optimizer: over the parameters training steps."""
+        """Shard the policy (fsdp), then make the algorithm's optimizer: over the parameters training steps."""
         self.dp = dp
         self.policy = dp.wrap(self.policy)
-        # only trainable parameters (LoRA: adapters + value head); the critic's in a group of its own with critic_lr
-        self.optimizer = torch.optim.Adam(optimizer_groups(self.policy, self.cfg), lr=self.cfg.lr, eps=1e-5)
+        self.optimizer = self.algorithm.make_optimizer(self.policy)
         self.device_state = DeviceState(self.policy, self.optimizer)
 
     def group_address(self) -> str:
@@ -115,18 +116,15 @@ class ActorWorker(Worker):
         frozen.load_state_dict(weights)
         return self.dp.wrap(frozen).eval().requires_grad_(False)
 
-    def update(self, envs: slice, *trajectories: Trajectory, critic_only: bool = False) -> dict[str, float]:
-        """One PPO update on the rollout workers' ``trajectories`` (``envs``: this rank's envs of
-        their concatenation; ``critic_only``: a critic warm-up update, the value function's alone)."""
+    def update(self, envs: slice, *trajectories: Trajectory, iteration: int = 0) -> dict[str, float]:
+        """The algorithm's update of training ``iteration`` on the rollout workers' ``trajectories``
+        (``envs``: this rank's envs of their concatenation)."""
         batch = Trajectory.concat(list(trajectories)).envs(envs).to(self.device)
         self.policy.train()
         torch.set_num_threads(self.update_threads)
         with self.all_cores():  # env and rollout workers wait for the new weights: their cores are free
-            if critic_only:
-                return critic_warmup_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator,
-                                            dp=self.dp)
-            return ppo_update(self.policy, self.optimizer, batch, self.cfg, generator=self.generator,
-                              reference=self.reference, dp=self.dp)
+            return self.algorithm.update(self.policy, self.optimizer, batch, iteration=iteration,
+                                         generator=self.generator, reference=self.reference, dp=self.dp)
 
     def state(self) -> dict | None:
         """Everything a checkpoint needs to continue training exactly, whole (not sharded): a run on

@@ -1,0 +1,156 @@
+"""What several commands share: the flags of the commands that run a composed config, reading a
+checkpoint's config back, where results go, and running the evaluation protocol on fresh workers.
+
+Nothing here imports torch or Ray at module level: ``embodied --help`` and a config error must answer
+in the time it takes to compose a config (heavy modules are imported inside the functions that use them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from embodied.config import (
+    TrainConfig,
+    compose,
+    config_groups,
+    group_option,
+    unknown_group_option_error,
+    validate,
+)
+from embodied.config_files import file_overrides
+
+
+def add_overrides(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """The positional Hydra overrides every config-running command takes (``what``: the command's own
+    special ones, e.g. ``resume=``), so each command's ``--help`` says which it reads."""
+    parser.add_argument("overrides", nargs="*", metavar="override",
+                        help="Hydra overrides: group=option (env=libero_spatial) or a.b=value (algorithm.lr=1e-4)"
+                        + (f"; {what}" if what else ""))
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """``--cfg job`` and ``--config FILE``: only on commands that run a composed config (a command that
+    runs none refuses them as unknown flags, so a user never believes a file was applied)."""
+    parser.add_argument("--cfg", choices=["job"], help="print the config this command would run (every key), "
+                        "run nothing")
+    parser.add_argument("--config", metavar="FILE", help="a YAML file of settings (group options, sections of "
+                        "keys), applied before the command line's overrides (which win)")
+
+
+def composed_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides a config-running command composes: ``--config``'s file first, so the command
+    line wins."""
+    return [*file_overrides(args.config), *args.overrides] if args.config else list(args.overrides)
+
+
+def split_override(overrides: list[str], key: str) -> tuple[str | None, list[str]]:
+    """Pull ``key=value`` out of the overrides (keys that are not config keys: ``resume``,
+    ``checkpoint``); an empty value counts as not given."""
+    value, rest = None, []
+    for item in overrides:
+        if item.startswith(f"{key}="):
+            value = item.split("=", 1)[1] or None
+        else:
+            rest.append(item)
+    return value, rest
+
+
+def config_from_saved(saved_yaml: str, overrides: list[str]) -> TrainConfig:
+    """A run's saved config with command-line overrides on top.
+
+    ``group=option`` replaces that section by ``configs/<group>/<option>.yaml``;
+    ``a.b=value`` sets one key. Unknown keys are UserErrors, as for ``train``.
+    """
+    base = OmegaConf.create(saved_yaml)
+    groups = config_groups()
+    dotted = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in groups:
+            if value not in groups[key]:
+                raise unknown_group_option_error(key, value)
+            sections = group_option(key, value)
+            base[key] = sections.pop(key)  # the group's own section is replaced; others take its settings
+            for section, settings in sections.items():
+                base[section] = OmegaConf.merge(base[section], settings)
+        else:
+            dotted.append(item)
+    return validate(OmegaConf.merge(base, OmegaConf.from_dotlist(dotted)))
+
+
+@contextlib.contextmanager
+def removed_if_failed_empty(path: Path) -> Iterator[None]:
+    """A command that fails before writing anything into ``path`` leaves no directory behind."""
+    try:
+        yield
+    except BaseException:
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        raise
+
+
+def checkpointed(overrides: list[str]) -> tuple[TrainConfig, dict | None, Path | None]:
+    """(config, checkpoint state or None, checkpoint path or None) for eval / record / a warm start:
+    with ``checkpoint=``, the checkpoint's own config (the env and policy it was trained with) under
+    the other overrides, since composing the defaults would evaluate a different policy."""
+    from embodied.checkpoint import load_checkpoint, resolve_checkpoint
+
+    ckpt, rest = split_override(overrides, "checkpoint")
+    if ckpt is None:
+        return compose(rest), None, None
+    path = resolve_checkpoint(ckpt)
+    state = load_checkpoint(path)
+    cfg = config_from_saved(state["config_yaml"], rest)
+    named_here, _ = split_override(rest, "runner.run_dir")
+    if named_here is None:  # where the checkpoint's run wrote is not where this command writes
+        cfg.runner.run_dir = None
+    return cfg, state, path
+
+
+def out_dir(cfg: TrainConfig, ckpt_path: Path | None, kind: str, name: str) -> Path:
+    """Where ``eval`` / ``record`` write: ``runner.run_dir`` (refused if it holds results), else a new
+    ``<run>/<kind>/<name>-<time>`` beside the checkpoint's run, else ``runs/<kind>-<task>-<policy>-<time>``."""
+    from embodied.run_dirs import claim_dir, make_unique_dir, run_of_checkpoint, stamp
+
+    if cfg.runner.run_dir:
+        return claim_dir(cfg.runner.run_dir, Path("runs"), kind, f"this {kind}")
+    run = run_of_checkpoint(ckpt_path) if ckpt_path is not None else None
+    if run is not None:
+        return make_unique_dir(run / kind, f"{name}-{stamp()}")
+    return make_unique_dir(Path("runs"), f"{kind}-{cfg.env.task}-{cfg.policy.name}-{stamp()}")
+
+
+def run_protocol(cfg: TrainConfig, actor_state: dict | None, seeds: list[int],
+                 record: set[int] = frozenset()) -> tuple[list[dict], list, int]:
+    """Evaluate ``actor_state`` (None: the policy as built) on ``seeds`` with fresh workers.
+    Returns ``(rows, videos, simulator steps run)`` (padding episodes and whole chunks included).
+
+    An evaluation depends only on its seeds and the weights, so one that a worker fault broke is
+    simply redone on replaced workers, up to ``runner.max_worker_restarts`` times (the trainer's
+    recovery also restores optimizer state and progress, which an evaluation has none of)."""
+    from embodied.runner import start_workers
+    from scheduler.faults import WorkerFailure
+
+    workers = start_workers(cfg)
+    try:
+        for attempt in range(cfg.runner.max_worker_restarts + 1):
+            try:
+                if actor_state is not None:
+                    workers.load_actor_state(actor_state, weights_only=True)
+                rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
+                break
+            except WorkerFailure as failure:
+                if attempt == cfg.runner.max_worker_restarts:
+                    raise
+                print(f"note: {failure}; replacing the workers and evaluating again", file=sys.stderr)
+                workers.recover(failure)
+        layout = workers.layout
+        return rows, videos, layout.env_steps(workers.max_episode_steps) * len(layout.evaluation_rounds(len(seeds)))
+    finally:
+        workers.shutdown()

@@ -1,0 +1,41 @@
+"""``embodied check-render`` / ``embodied setup-render``: does SAPIEN rendering work here, and if not,
+make it work (install lavapipe, a CPU Vulkan driver).
+
+They take no flags and no overrides: they test the machine, not a config. Exit 0 when rendering
+works, 1 when it does not (the table in embodied/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from envs.rendering import check_render, install_lavapipe
+
+RENDER_FAILED = 1  # EXIT_FAILED in embodied/cli.py's table: the check ran, and rendering does not work
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """``check-render`` and ``setup-render``: no arguments."""
+    check = subparsers.add_parser("check-render", help="does SAPIEN rendering work here? what to install if not",
+                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.set_defaults(run=run_check)
+    setup = subparsers.add_parser("setup-render", help="make SAPIEN rendering work (installs lavapipe if needed)",
+                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    setup.set_defaults(run=run_setup)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Print what rendering does here; exit 1 if it does not work."""
+    works, message = check_render()
+    print(message)
+    return 0 if works else RENDER_FAILED
+
+
+def run_setup(args: argparse.Namespace) -> int:
+    """Make SAPIEN rendering work: nothing to do where a Vulkan driver works already."""
+    works, message = check_render()
+    if not works:
+        print(f"No working Vulkan driver; installing lavapipe: {install_lavapipe(verbose=False)}")
+        works, message = check_render()
+    print(message)
+    return 0 if works else RENDER_FAILED

@@ -1,0 +1,130 @@
+"""``embodied train [overrides]``: train, evaluate with the env's protocol, print the run directory last.
+
+``resume=<run_dir>`` continues a stopped or killed run from its saved config and last checkpoint;
+``checkpoint=<run|file.pt>`` warm-starts from another run (e.g. an SFT run), training that run's env
+and policy config. :func:`train_once` is the one "train a run" path: ``embodied chaos`` calls it too,
+with its fault injector running alongside, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from embodied.commands.common import (
+    add_config_flags,
+    add_overrides,
+    checkpointed,
+    composed_overrides,
+    config_from_saved,
+    removed_if_failed_empty,
+    split_override,
+)
+from embodied.config import TrainConfig, to_yaml
+from envs.common import UserError
+from envs.registry import seed_scheme
+
+if TYPE_CHECKING:
+    from embodied.trainer import Trainer
+
+HELP = "train; the last line printed is the run directory"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """``train``: the config flags and overrides (plus ``resume=`` / ``checkpoint=``), nothing else."""
+    parser = subparsers.add_parser("train", help=HELP, description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser)
+    add_overrides(parser, "resume=<run_dir> continues a run; checkpoint=<run_dir|file.pt> warm-starts from one")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train one run (``--cfg job``: print its config, resolved as the run would, and stop)."""
+    start = prepare(composed_overrides(args))
+    if args.cfg == "job":  # printed here, not by the generic path: resume= reloads a saved config
+        print(to_yaml(start.cfg))
+        return 0
+    run_dir, _ = train_once(start)
+    print(run_dir.resolve())
+    return 0
+
+
+@dataclass
+class Start:
+    """What a training run starts from: its config, and the state of a resumed or warm-started run."""
+
+    cfg: TrainConfig
+    resumed: bool = False  # continue cfg.runner.run_dir (resume=): no new directory is claimed
+    resume_state: dict | None = None
+    warm: dict | None = None  # the state of checkpoint=: its weights start the run
+
+
+def prepare(overrides: list[str]) -> Start:
+    """Resolve ``overrides`` into the config a run trains, refusing what cannot train (the random
+    baseline, a policy without trainable weights) before anything starts."""
+    from embodied.checkpoint import load_checkpoint
+    from policies.registry import check_trainable
+
+    resume, rest = split_override(overrides, "resume")
+    if resume:
+        run_dir = Path(resume)
+        if not (run_dir / "config.yaml").exists():
+            raise UserError(f"resume={resume}: no config.yaml there. Pass the run directory that "
+                            "`embodied train` printed as its last line.")
+        resume_state = load_checkpoint(run_dir)
+        cfg = config_from_saved((run_dir / "config.yaml").read_text(), rest)
+        cfg.runner.run_dir = str(run_dir)
+        start = Start(cfg, resumed=True, resume_state=resume_state)
+    else:
+        # a warm start (checkpoint=, e.g. an SFT run) trains the checkpoint's env and policy config
+        cfg, warm, ckpt_path = checkpointed(rest)
+        if ckpt_path is not None:
+            cfg.checkpoint = str(ckpt_path)
+        start = Start(cfg, warm=warm)
+    check_trainable(start.cfg.policy)
+    return start
+
+
+def train_once(start: Start, alongside: Callable[[Trainer], AbstractContextManager[object]] | None = None
+               ) -> tuple[Path, dict]:
+    """Train ``start`` to its end and write its final evaluation (eval.json / eval.md, the index,
+    videos); print the table and a summary line. ``alongside(trainer)`` is entered for the training
+    itself (``embodied chaos``: its fault injector), and left before the results are written.
+    Returns ``(run directory, evaluation summary)``."""
+    from embodied.checkpoint import BEST, resolve_checkpoint
+    from embodied.evaluate import write_eval, write_videos
+    from embodied.run_dirs import claim_dir, file_away_final_eval, index_evaluation, protocol_digest
+    from embodied.trainer import Trainer
+
+    cfg = start.cfg
+    if start.resumed:
+        run_dir = Path(cfg.runner.run_dir)
+    else:
+        run_dir = claim_dir(cfg.runner.run_dir, Path("runs"), f"{cfg.env.task}-{cfg.policy.name}", "this training")
+        cfg.runner.run_dir = str(run_dir)
+    with removed_if_failed_empty(run_dir):
+        trainer = Trainer(cfg, run_dir, resume_from=start.resume_state, warm_start=start.warm)
+    try:
+        with alongside(trainer) if alongside is not None else contextlib.nullcontext():
+            summary = trainer.train()
+        file_away_final_eval(run_dir)  # a resumed run's earlier final evaluation is kept, not replaced
+        table = write_eval(run_dir, summary)
+        seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
+        evaluated = (run_dir / "checkpoints" / BEST if summary["evaluated"]["weights"] == "best"
+                     else resolve_checkpoint(run_dir))
+        index_evaluation(run_dir, run_dir, summary, "train", str(evaluated), protocol_digest(cfg.eval, cfg.env, seeds))
+        write_videos(run_dir / "videos", trainer.final_videos, summary["rows"], cfg.env)  # filmed during the eval
+    finally:
+        trainer.close()
+    t, weights = summary["training"], summary["evaluated"]
+    print(table)
+    print(f"trained {t['env_steps']} env steps in {t['train_minutes']:.1f} min "
+          f"({t['env_steps_per_s']:.0f} env-steps/s); eval of the {weights['weights']} weights (iteration "
+          f"{weights['iteration']}) over {summary['episodes']} episodes: success_once {summary['success_once']:.3f}")
+    return run_dir, summary

@@ -1,0 +1,48 @@
+"""The range every numeric config key is checked against: :func:`ranged` declares a key's default
+and range in the schema (embodied/config.py), :func:`check_ranges` checks a composed config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+
+from envs.common import UserError
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may take: from ``low`` (excluded when ``above``) to ``high``; None: open."""
+
+    low: float | None = None
+    high: float | None = None
+    above: bool = False
+
+    def holds(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.above else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.above else '>='} {self.low:g}"
+        return f"in {'(' if self.above else '['}{self.low:g}, {self.high:g}]"
+
+
+def ranged(default, low: float | None = None, high: float | None = None, *, above: bool = False):
+    """A numeric key's default and the range its values must lie in (:func:`check_ranges`; None is
+    always allowed where the type allows it)."""
+    return field(default=default, metadata={"range": Range(low, high, above)})
+
+
+def check_ranges(cfg) -> None:
+    """A UserError for the first numeric key of ``cfg`` (a ``TrainConfig``) outside its range (its ``ranged``
+    fields)."""
+    for section in fields(cfg):
+        part = getattr(cfg, section.name)
+        if not is_dataclass(part):
+            continue
+        for key in fields(part):
+            allowed, value = key.metadata.get("range"), getattr(part, key.name)
+            if allowed is not None and value is not None and not allowed.holds(value):
+                raise UserError(f"{section.name}.{key.name}={value} is out of range: it must be {allowed.describe()} "
+                                f"({type(part).__name__} in embodied/config.py says what it means). Fix the "
+                                "override or the yaml file that sets it.")
