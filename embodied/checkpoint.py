@@ -1,8 +1,8 @@
 """Checkpoints: one schema (:func:`checkpoint_state`), written atomically so a crash (even
 SIGKILL) mid-save never leaves a corrupt or missing one.
 
-Files: ``<run_dir>/checkpoints/ckpt_<iteration>.pt``, ``latest.json`` naming the
-newest and, with ``runner.eval_every``, ``best.pt`` (the best validation's weights). Each is written to a
+Files: ``<run_dir>/checkpoints/ckpt_<iteration>.pt`` (the newest ``runner.keep_checkpoints``), ``latest.json``
+naming the newest and, with ``runner.eval_every``, ``best.pt`` (the best validation's weights). Each is written to a
 temporary file, fsynced, then renamed into place.
 """
 
@@ -18,7 +18,6 @@ import torch
 
 from envs.common import UserError
 
-KEEP = 3  # older checkpoints are pruned after a newer one is safely written
 BEST = "best.pt"  # runner.final_weights=best: the best periodic validation's weights
 
 
@@ -29,7 +28,7 @@ class Progress:
     iteration: int = 0
     env_steps: int = 0
     train_seconds: float = 0.0  # wall-clock of the training loop (evals and checkpoints included)
-    solved_at_seconds: float | None = None  # first periodic eval with success_once >= 0.9
+    solved_at_seconds: float | None = None  # first periodic eval with success_once >= runner.solved_success
     best_eval_success: float | None = None  # the best periodic eval's success_once (checkpoints/best.pt)
     best_iteration: int | None = None  # ... and the iteration it followed
 
@@ -72,12 +71,16 @@ def atomic_write(path: Path, write) -> None:
         raise
 
 
-def save_checkpoint(run_dir: Path, iteration: int, state: dict) -> Path:
+def save_checkpoint(run_dir: Path, iteration: int, state: dict, keep: int) -> Path:
+    """Write ``ckpt_<iteration>.pt`` and point ``latest.json`` at it; then delete all but the newest
+    ``keep`` checkpoints (``runner.keep_checkpoints``), only once the new one is safely written."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: a run keeps at least the checkpoint it just wrote")
     ckpt_dir = Path(run_dir) / "checkpoints"
     path = ckpt_dir / f"ckpt_{iteration:06d}.pt"
     atomic_write(path, lambda f: torch.save(state, f))
     atomic_write(ckpt_dir / "latest.json", lambda f: f.write(json.dumps({"file": path.name}).encode()))
-    for old in sorted(ckpt_dir.glob("ckpt_*.pt"))[:-KEEP]:
+    for old in sorted(ckpt_dir.glob("ckpt_*.pt"))[:-keep]:
         old.unlink()
     return path
 

@@ -42,6 +42,8 @@ class EnvConfig:
     # speeds in docs/libero_protocol.md. ManiSkill renders one way: "fast"
     rendering: str = "fast"
     timeout_s: float = ranged(120.0, 0, above=True)  # an env process silent this long is reported as hung
+    # ... except while it builds its envs (at start, and a replacement's), which may take max(this, timeout_s)
+    startup_timeout_s: float = ranged(300.0, 0, above=True)
     # replace an env process that dies or hangs: its episodes end as failed (error) and the run
     # goes on; False: the run stops with a checkpoint and a message (exit code 3)
     restart_crashed: bool = False
@@ -159,8 +161,11 @@ class PlacementConfig:
     # Ray actors that train, data-parallel (one device each, scheduler/data_parallel.py)
     actor_workers: int = ranged(1, 1)
     # how several actor ranks keep one policy: "replicate" (a whole copy each, gradients all-reduced),
-    # "fsdp" (FSDP2: weights, gradients and Adam state sharded) or "auto" (fsdp from 100M parameters)
+    # "fsdp" (FSDP2: weights, gradients and Adam state sharded) or "auto" (fsdp from fsdp_from_parameters on)
     data_parallel: str = "auto"
+    # data_parallel=auto: shard policies of this many parameters or more (fp32 training state: ~16 bytes a
+    # parameter, 1.6 GB a replica at 100M), replicate smaller ones
+    fsdp_from_parameters: int = ranged(100_000_000, 0)
     env: str = "0-1"  # device range for env workers: GPU ids, or CPU slots without GPUs
     rollout: str = "0"
     actor: str = "0"
@@ -231,7 +236,12 @@ class RunnerConfig:
     # stop once periodic evaluations reach this success_once (None: never) ...
     stop_at_success: float | None = ranged(0.98, 0, 1, above=True)
     stop_patience: int = ranged(2, 1)  # ... this many times in a row (PPO oscillates: one lucky eval is not enough)
+    # the first periodic evaluation whose success_once reaches this marks the run solved: its training time is
+    # the time/solved_minutes scalar and eval.json's training.solved_minutes
+    solved_success: float = ranged(0.9, 0, 1, above=True)
     checkpoint_every: int = ranged(10, 1)  # iterations between checkpoints
+    # ckpt_<iteration>.pt files kept: older ones are deleted once a newer one is written (best.pt is never)
+    keep_checkpoints: int = ranged(3, 1)
     seed: int = ranged(1, 0)  # every random stream of the run derives from it and its purpose (envs/seeds.py)
     run_dir: str | None = None  # None: runs/<task>-<policy>-<timestamp>
     progress: bool = True  # progress bar on stderr
@@ -243,11 +253,17 @@ class RunnerConfig:
     call_deadline_s: float | None = ranged(None, 0, above=True)
     # it is also every worker start's deadline (first or replacement): a constructor still running is hung
     first_call_deadline_s: float = ranged(900.0, 0, above=True)
+    # while it waits on a call, the runner pings the workers this often: a dead one is found within this
+    # time, not at the call's deadline
+    probe_every_s: float = ranged(5.0, 0, above=True)
     # a worker that dies or hangs is replaced (an actor rank: its group restarts from the last checkpoint)
     # and the run goes on; more than max_worker_restarts restarts of one group within restart_window_minutes
     # stop the run with a checkpoint written then and exit code 4
     max_worker_restarts: int = ranged(5, 0)
     restart_window_minutes: float = ranged(60.0, 0, above=True)
+    # recovering: once the broken call's channel is renewed, the workers that survived the fault get this long
+    # to end their part of the call; one still busy then is taken as hung and replaced too
+    recovery_settle_s: float = ranged(30.0, 0, above=True)
 
 
 @dataclass

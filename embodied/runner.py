@@ -31,6 +31,7 @@ from scheduler.faults import Deadlines, Watchdog, WorkerFailure, WorkerFault
 from scheduler.layout import BatchLayout
 from scheduler.placement import ClusterDevices, make_plan
 from scheduler.profiler import StageRunners
+from scheduler.weight_sync_strategies import make_weight_sync
 from scheduler.worker import WorkerGroup, wait_ready
 
 
@@ -49,35 +50,34 @@ class Workers:
         # with action chunks a step is a decision: chunk_size simulator steps
         self.layout = BatchLayout(cfg.env.num_envs, cfg.placement.env_workers, plan.pipeline_stages,
                                   cfg.policy.chunk_size)
-        self.env = WorkerGroup(EnvWorker, "env", plan, threads, env_cfg=cfg.env, layout=self.layout,
-                               start_deadline_s=cfg.runner.first_call_deadline_s)
         runner = cfg.runner
-        self.watchdog = Watchdog({"env": self.env}, Deadlines(runner.call_deadline_floor_s, runner.call_deadline_factor,
-                                                              runner.first_call_deadline_s, runner.call_deadline_s))
-        self.env.get = self.watchdog.get
+        # every call to a group is waited on with a deadline, and a failure is traced to its rank
+        self.watchdog = watchdog = Watchdog(Deadlines(runner.call_deadline_floor_s, runner.call_deadline_factor,
+                                                      runner.first_call_deadline_s, runner.call_deadline_s),
+                                            probe_every_s=runner.probe_every_s)
+        started = dict(start_deadline_s=runner.first_call_deadline_s, get=watchdog.get)
+        self.env = watchdog.watch(WorkerGroup(EnvWorker, "env", plan, threads, env_cfg=cfg.env, layout=self.layout,
+                                              **started))
         spec: EnvSpec = self.env.call("spec")[0]
         self.obs_spec, self.action_dim, self.max_episode_steps = spec.obs_spec, spec.action_dim, spec.max_episode_steps
         check_policy_observations(cfg.policy, self.obs_spec, self.action_dim)  # before any policy worker starts
         self.steps_per_rollout = cfg.algorithm.rollout_steps or self.max_episode_steps
         common = dict(policy_cfg=cfg.policy, algorithm_cfg=cfg.algorithm,
                       obs_spec=self.obs_spec, action_dim=self.action_dim)
-        self.rollout = WorkerGroup(RolloutWorker, "rollout", plan, threads, layout=self.layout,
-                                   seed=cfg.runner.seed, wait=False, start_deadline_s=runner.first_call_deadline_s,
-                                   **common)
-        self.actor = WorkerGroup(ActorWorker, "actor", plan, threads, seed=cfg.runner.seed, wait=False,
-                                 per_rank_kwargs=[{"update_threads": t}
-                                                  for t in plan.update_threads(cfg.placement.actor_threads)],
-                                 start_deadline_s=runner.first_call_deadline_s, **common)
+        self.rollout = watchdog.watch(WorkerGroup(RolloutWorker, "rollout", plan, threads, layout=self.layout,
+                                                  seed=cfg.runner.seed, wait=False, **started, **common))
+        self.actor = watchdog.watch(WorkerGroup(ActorWorker, "actor", plan, threads, seed=cfg.runner.seed, wait=False,
+                                                per_rank_kwargs=[{"update_threads": t} for t in
+                                                                 plan.update_threads(cfg.placement.actor_threads)],
+                                                **started, **common))
         wait_ready(self.rollout, self.actor)  # both groups start side by side: seconds of imports each
         self.groups = {"env": self.env, "rollout": self.rollout, "actor": self.actor}
-        self.watchdog.groups = self.groups
-        self.rollout.get = self.actor.get = self.watchdog.get
         self.data_parallel = self._join_actor_ranks()
         self.actor_shares = self.layout.actor_shares(len(self.rollout), len(self.actor))
         self.channel = Channel("env<->rollout")
         self.switcher = ContextSwitcher(plan, self.groups)
-        self._setup_weight_sync()
-        self._weights_ref = None
+        self.weight_sync = make_weight_sync(plan.weight_sync, self.actor, self.rollout, watchdog.get)
+        self.weight_sync.setup()
         self._weights_stale = True  # the actor has weights the rollout workers have not got
         self.notes: list[str] = []  # the config checks' lines for the run log (start_workers fills them)
 
@@ -89,39 +89,11 @@ class Workers:
         if len(self.actor) == 1:
             return "single"
         address = ray.get(self.actor.workers[0].group_address.remote())
-        return self.actor.call("join_data_parallel", address, self.cfg.placement.data_parallel)[0]
+        placement = self.cfg.placement
+        return self.actor.call("join_data_parallel", address, placement.data_parallel,
+                               placement.fsdp_from_parameters)[0]
 
-    # -- weight sync and turns ------------------------------------------------------------
-    def _setup_weight_sync(self) -> None:
-        if self.plan.weight_sync == "shared_memory":
-            layout = self.actor.call("share_weights")[0]
-            self.rollout.call("attach_shared_weights", layout)
-            self.actor.call("unlink_shared_weights")  # every mapping is made: nothing left to clean up
-        elif self.plan.weight_sync == "broadcast":
-            address = self.actor.call("group_address")[0]
-            world = 1 + len(self.rollout)
-            self.watchdog.get(self.actor.call_async("join_broadcast_group", address, world)
-                              + self.rollout.call_async("join_broadcast_group", address, world), "weight_sync")
-
-    def _publish_weights(self) -> None:
-        """Actor side of a weight sync: to the shared buffer, into the object store, or the
-        whole broadcast (actor and rollout workers are both resident: see make_plan)."""
-        if self.plan.weight_sync == "shared_memory":
-            self.actor.call("publish_weights")
-        elif self.plan.weight_sync == "broadcast":
-            self.watchdog.get(self.actor.call_async("broadcast_weights") + self.rollout.call_async("receive_broadcast"),
-                              "weight_sync")
-        else:
-            refs = self.actor.call_async("get_weights")  # every rank: FSDP gathers the shards
-            self.watchdog.get(refs, "actor.get_weights", fetch=False)  # read before the actor may be offloaded
-            self._weights_ref = refs[0]
-
-    def _receive_weights(self) -> None:
-        if self.plan.weight_sync == "shared_memory":
-            self.rollout.call("use_shared_weights")
-        elif self.plan.weight_sync == "object_store":
-            self.rollout.call("set_weights", self._weights_ref)
-
+    # -- weights and turns ------------------------------------------------------------
     def load_actor_state(self, state: dict, weights_only: bool = False) -> None:
         self.switcher.turn("train")
         self.actor.call("load_state", state, weights_only=weights_only)
@@ -139,12 +111,12 @@ class Workers:
         """
         t0 = time.perf_counter()
         if self._weights_stale or force_sync:  # the actor is resident: it just trained or was loaded
-            self._publish_weights()
+            self.weight_sync.publish()
             self._weights_stale = False
         t1 = time.perf_counter()
         switch = self.switcher.turn("generate")
         t2 = time.perf_counter()
-        self._receive_weights()
+        self.weight_sync.receive()
         return {"weight_sync_s": (t1 - t0) + (time.perf_counter() - t2), **switch}
 
     # -- one iteration -------------------------------------------------------------------
@@ -226,13 +198,14 @@ class Workers:
         return sorted(rows, key=lambda r: r["episode"]), videos
 
     # -- faults ------------------------------------------------------------------------
-    def recover(self, failure: WorkerFailure, settle_s: float = 30.0) -> list[WorkerFault]:
+    def recover(self, failure: WorkerFailure) -> list[WorkerFault]:
         """Replace the workers ``failure`` names and end the call they broke: the channel is
-        renewed (survivors blocked on it raise and go idle; one still busy after ``settle_s`` is
-        hung too), env and rollout ranks are replaced one by one, the actor group as a whole
-        (its ranks share a process group), and weights are re-shared. Returns every fault
-        handled (``failure.faults`` plus survivors found stuck). The caller restores the actor's
-        state (a new actor group holds its initial weights) and resets the envs."""
+        renewed (survivors blocked on it raise and go idle; one still busy after
+        ``runner.recovery_settle_s`` is hung too), env and rollout ranks are replaced one by one,
+        the actor group as a whole (its ranks share a process group), and weights are re-shared.
+        Returns every fault handled (``failure.faults`` plus survivors found stuck). The caller
+        restores the actor's state (a new actor group holds its initial weights) and resets the envs."""
+        settle_s = self.cfg.runner.recovery_settle_s
         faults = list(failure.faults)
         for fault in faults:
             self.groups[fault.group].kill(fault.rank)  # a hung one stops holding its resources now
@@ -249,20 +222,20 @@ class Workers:
         for fault in faults:
             if fault.group != "actor":
                 self.groups[fault.group].replace(fault.rank)
-        if "rollout" in lost and self.plan.weight_sync == "broadcast":
-            self._restart_broadcast_peers(actor_lost="actor" in lost)
+        if "rollout" in lost and self.weight_sync.fixed_membership:
+            self._restart_sync_peers(actor_lost="actor" in lost)
         elif "actor" in lost:
             self.actor.restart()
             self.data_parallel = self._join_actor_ranks()
         if lost & {"rollout", "actor"}:
-            self._setup_weight_sync()
+            self.weight_sync.setup()
             self._weights_stale = True
         self.switcher.workers_replaced()
         return faults
 
-    def _restart_broadcast_peers(self, actor_lost: bool) -> None:
-        """A broadcast group cannot take a new member: restart every rollout worker and the
-        actor, which keeps its state when it is alive."""
+    def _restart_sync_peers(self, actor_lost: bool) -> None:
+        """A weight sync of fixed membership (a broadcast group) cannot take a new member: restart
+        every rollout worker and the actor, which keeps its state when it is alive."""
         state = None if actor_lost else self.actor_state()
         self.rollout.restart()
         self.actor.restart()

@@ -56,7 +56,8 @@ class SftRanks:
                                  sft_cfg=cfg.sft, obs_spec=obs_spec, action_dim=action_dim,
                                  action_stats=action_stats, seed=cfg.runner.seed)
         address = ray.get(self.ranks.workers[0].group_address.remote())
-        self.strategy = self.ranks.call("start", address, cfg.placement.data_parallel)[0]
+        self.strategy = self.ranks.call("start", address, cfg.placement.data_parallel,
+                                        cfg.placement.fsdp_from_parameters)[0]
         self._demos: tuple | None = None
 
     def epoch(self, obs: dict[str, torch.Tensor], targets: torch.Tensor, advance) -> dict[str, float]:
@@ -110,5 +111,5 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
     # RL has not started (Progress at zero): `train checkpoint=` warm-starts from here
     state = checkpoint_state(actor, Progress(), to_yaml(cfg), obs_spec, action_dim,
                              sft={**stats, "demos": len(demos.seeds), "steps": len(demos), **asdict(cfg.sft)})
-    save_checkpoint(run_dir, 0, state)
+    save_checkpoint(run_dir, 0, state, keep=cfg.runner.keep_checkpoints)
     return state["sft"]

@@ -101,7 +101,8 @@ class Trainer:
                                 self.workers.action_dim)
 
     def save(self) -> Path:
-        return save_checkpoint(self.run_dir, self.progress.iteration, self._state())
+        return save_checkpoint(self.run_dir, self.progress.iteration, self._state(),
+                               keep=self.cfg.runner.keep_checkpoints)
 
     def _keep_if_best(self, success: float) -> None:
         """Save the weights as checkpoints/best.pt if ``success`` beats every earlier validation
@@ -303,7 +304,7 @@ class Trainer:
         success = _mean(rows, "success_once")
         self.log.scalars({"eval/success_once": success, "eval/success_at_end": _mean(rows, "success_at_end"),
                           "eval/return": _mean(rows, "return"), "eval/episodes": len(rows)}, p.env_steps)
-        if success >= 0.9 and p.solved_at_seconds is None:
+        if success >= cfg.runner.solved_success and p.solved_at_seconds is None:
             p.solved_at_seconds = p.train_seconds + elapsed
             self.log.scalars({"time/solved_minutes": p.solved_at_seconds / 60}, p.env_steps)
         if not self.episodic:  # the evaluation used the envs; episodic iterations reset them anyway

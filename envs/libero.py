@@ -302,4 +302,5 @@ def make_libero(cfg, num_envs: int, num_procs: int):
     spec = LiberoSpec(cfg.task, cfg.image_size, cfg.max_episode_steps or MAX_STEPS[cfg.task],
                       cameras=cfg.obs_mode == "rgb", rendering=cfg.rendering)
     return SubprocVecEnv(functools.partial(_make_libero_env, spec), num_envs, max(num_procs, num_envs),
-                         timeout_s=cfg.timeout_s, restart_crashed=cfg.restart_crashed)
+                         timeout_s=cfg.timeout_s, restart_crashed=cfg.restart_crashed,
+                         startup_timeout_s=cfg.startup_timeout_s)

@@ -317,5 +317,5 @@ def make_maniskill(cfg, num_envs: int, num_procs: int):
         return ManiSkillGPUVecEnv(spec, num_envs)
     return SubprocVecEnv(
         functools.partial(_make_cpu_env, spec), num_envs, num_procs, timeout_s=cfg.timeout_s,
-        restart_crashed=cfg.restart_crashed,
+        restart_crashed=cfg.restart_crashed, startup_timeout_s=cfg.startup_timeout_s,
     )

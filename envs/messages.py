@@ -62,7 +62,8 @@ class Trajectory:
     """``T`` decisions of ``B`` envs, time-major, as PPO trains on them.
 
     ``obs``: ``[T, B, ...]`` per key; ``actions``: ``[T, B, A]`` (what the policy scored, before
-    ``to_env``); ``logprobs`` / ``values`` / ``rewards``: float ``[T, B]``; ``dones``: bool
+    ``to_env``); ``logprobs``: float ``[T, B]``, or ``[T, B, tokens]`` for token policies (one per
+    action token); ``values`` / ``rewards``: float ``[T, B]``; ``dones``: bool
     ``[T, B]`` (the episode ended at this step); ``next_value``: ``[B]``, the value of the
     observation after the last step.
     """

@@ -64,8 +64,9 @@ class SubprocVecEnv:
         make_env: picklable ``make_env(env_index) -> SingleEnv``.
         num_envs: batch size ``B``.
         num_procs: worker processes (0 = step in this process).
-        timeout_s: how long a worker may take to answer one command (building the envs, at
-            start and on a restart: at least 300 s).
+        timeout_s: how long a worker may take to answer one command (``env.timeout_s``).
+        startup_timeout_s: how long a worker may take to build its envs, at start and on a restart
+            (``env.startup_timeout_s``; at least ``timeout_s``).
         restart_crashed: replace a failed process and go on (below); without it any failure
             closes the batch and raises :class:`EnvCrashedError`.
 
@@ -96,6 +97,7 @@ class SubprocVecEnv:
         num_procs: int,
         timeout_s: float = 120.0,
         restart_crashed: bool = False,
+        startup_timeout_s: float = 300.0,
     ):
         if num_procs > num_envs:
             num_procs = num_envs
@@ -106,7 +108,7 @@ class SubprocVecEnv:
         self._last_reset = ResetRequest([None] * num_envs)  # replayed on a restarted worker
         self._ignore_terminations = False
         self.restarts = 0  # worker processes replaced so far
-        self._startup_s = max(timeout_s, 300.0)  # building envs can take far longer than a step
+        self._startup_s = max(timeout_s, startup_timeout_s)  # building envs can take far longer than a step
         self.device = torch.device("cpu")
         # one env built here tells the shapes the shared buffers need
         first = make_env(0)
@@ -231,10 +233,12 @@ class SubprocVecEnv:
         # its sentinel too: a dead process must not wait out the deadline, and a pipe that another
         # process still holds open (a helper the simulator started) would never show EOF
         if not wait([pipe, proc.sentinel], timeout_s):
+            slow = ("env.startup_timeout_s if building the envs" if cmd == "start"
+                    else "env.timeout_s if steps")
             raise EnvCrashedError(
                 f"Env worker process {rank} (pid {proc.pid}) did not answer `{cmd}` within {timeout_s:.0f} s and "
                 "is still running: the simulator hangs. Check the simulator on its own with `embodied "
-                "check-render`, lower env.num_envs, or raise env.timeout_s if steps are legitimately slow."
+                f"check-render`, lower env.num_envs, or raise {slow} is legitimately slow."
             )
         try:
             if not pipe.poll(0):  # only the sentinel is ready: it exited without a word

@@ -25,8 +25,8 @@ class Policy(nn.Module):
 
     - ``act(obs, deterministic=False, noise=None)`` -> ``(actions [B, A], log_prob [B],
       value [B])``, without gradients. ``noise [B, noise_dim]`` is the sample's randomness
-      (standard normal, or uniform for token policies), so a caller makes sampling independent
-      of how a batch is split; None draws it.
+      (standard normal; token policies map it to a uniform through the normal CDF themselves),
+      so a caller makes sampling independent of how a batch is split; None draws it.
     - ``evaluate(obs, actions [B, A])`` -> ``(log_prob [B], entropy [B], value [B])`` with
       gradients (what PPO trains on).
     - ``value(obs)`` -> ``[B]``.

@@ -42,7 +42,8 @@ def profile_sizes(num_envs: int) -> list[int]:
 def workload_of(cfg, profile: Profile, group_size: int) -> Workload:
     """An iteration of ``cfg``: its envs, decisions per env and ``group_size``, the envs its
     algorithm needs in one micro-batch (GRPO's groups; 1: any split)."""
-    sharded = resolve_strategy(cfg.placement.data_parallel, profile.parameters) == "fsdp"
+    placement = cfg.placement
+    sharded = resolve_strategy(placement.data_parallel, profile.parameters, placement.fsdp_from_parameters) == "fsdp"
     return Workload(cfg.env.num_envs, cfg.algorithm.rollout_steps or profile.episode_steps, group_size, sharded)
 
 

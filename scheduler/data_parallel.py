@@ -11,7 +11,7 @@ ways to keep their policies one (``placement.data_parallel``):
   Adam state are split over the ranks (ZeRO-3), each transformer block gathered only while it
   runs, gradients reduce-scattered. What a 7B VLA needs: a rank holds ``1 / world`` of the
   ~16 bytes per parameter of fp32 training state;
-- ``auto``: ``fsdp`` from :data:`FSDP_FROM_PARAMETERS` parameters on, else ``replicate``.
+- ``auto``: ``fsdp`` from ``placement.fsdp_from_parameters`` parameters on, else ``replicate``.
 
 The algorithm is the one rank's (``embodied/algorithms/ppo.py``): the ranks exchange their
 samples' scalars (rewards, values, log-probs...) so that each computes the advantages and
@@ -33,18 +33,21 @@ from envs.common import UserError
 from scheduler.weight_sync import group_address, join_process_group
 
 STRATEGIES = ("auto", "replicate", "fsdp")
-FSDP_FROM_PARAMETERS = 100_000_000  # auto: shard from here on (fp32 training state ~1.6 GB a replica)
+# auto: shard from here on (fp32 training state ~1.6 GB a replica); the default of placement.fsdp_from_parameters,
+# for callers without a config
+FSDP_FROM_PARAMETERS = 100_000_000
 # methods the trainer calls instead of forward(): FSDP gathers the root's parameters around them
 FORWARD_METHODS = ("evaluate", "value", "act", "bin_distributions")
 
 
-def resolve_strategy(choice: str, parameters: int) -> str:
-    """``placement.data_parallel`` for a policy of ``parameters`` parameters."""
+def resolve_strategy(choice: str, parameters: int, fsdp_from: int = FSDP_FROM_PARAMETERS) -> str:
+    """``placement.data_parallel`` for a policy of ``parameters`` parameters: ``auto`` shards from
+    ``fsdp_from`` (``placement.fsdp_from_parameters``) parameters on."""
     if choice not in STRATEGIES:
         raise UserError(f"placement.data_parallel={choice!r}: use one of {', '.join(STRATEGIES)} "
                         "(auto: replicate small policies, shard large ones with FSDP2).")
     if choice == "auto":
-        return "fsdp" if parameters >= FSDP_FROM_PARAMETERS else "replicate"
+        return "fsdp" if parameters >= fsdp_from else "replicate"
     return choice
 
 

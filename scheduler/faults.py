@@ -97,13 +97,21 @@ class RestartBudget:
 class Watchdog:
     """Waits on the refs of calls to ``groups`` with deadlines; a dead or hung worker becomes a
     :class:`WorkerFailure`. Refs of calls in flight stay listed until they settle, so an aborted
-    call's survivors can be waited for (:meth:`settle`)."""
+    call's survivors can be waited for (:meth:`settle`). While it waits it pings the workers every
+    ``probe_every_s`` (``runner.probe_every_s``; 5 s for callers without a config), so a dead one
+    is found then, not at the deadline; a ping unanswered for ``ping_timeout_s`` is a silent worker."""
 
-    def __init__(self, groups: dict[str, WorkerGroup], deadlines: Deadlines, probe_every_s: float = 5.0,
-                 ping_timeout_s: float = 10.0):
-        self.groups, self.deadlines = groups, deadlines
+    def __init__(self, deadlines: Deadlines, probe_every_s: float = 5.0, ping_timeout_s: float = 10.0):
+        self.groups: dict[str, WorkerGroup] = {}  # what :meth:`watch` was given
+        self.deadlines = deadlines
         self.probe_every_s, self.ping_timeout_s = probe_every_s, ping_timeout_s
         self.in_flight: list = []
+
+    def watch(self, group: WorkerGroup) -> WorkerGroup:
+        """Include ``group`` in what a failed call is traced to (its ranks are pinged, inspected and
+        named in a :class:`WorkerFailure`); returns it. Give the group :meth:`get` as its ``get``."""
+        self.groups[group.name] = group
+        return group
 
     def get(self, refs: list, call: str, fetch: bool = True, inspect: list | None = None) -> list:
         """Wait for ``refs`` (all from calls named ``call``) within ``call``'s deadline; returns

@@ -105,7 +105,9 @@ def profile_key(cfg, sizes: list[int]) -> str:
     """A stable hash of the hardware and the config that a stage's cost depends on."""
     relevant = {
         "version": PROFILE_VERSION, "hardware": hardware(), "sizes": sizes,
-        "env": dataclasses.asdict(cfg.env) | {"num_envs": None, "num_procs": None},
+        # deadlines do not change what a stage costs: changing one must not throw a profile away
+        "env": dataclasses.asdict(cfg.env) | {"num_envs": None, "num_procs": None, "timeout_s": None,
+                                              "startup_timeout_s": None},
         "policy": dataclasses.asdict(cfg.policy),
         "algorithm": {k: getattr(cfg.algorithm, k) for k in ("name", "update_epochs", "num_minibatches",
                                                                "logprob_level")},

@@ -181,19 +181,21 @@ class WorkerGroup:
 
     A rank that died or hung is replaced by :meth:`replace` (same rank, same arguments);
     :meth:`restart` replaces them all. ``get`` is how :meth:`call` waits for its results: plain
-    ``ray.get``, or the runner's watchdog, which gives every call a deadline (scheduler/faults.py).
+    ``ray.get``, or the runner's watchdog (``Watchdog.get``), which gives every call a deadline
+    (scheduler/faults.py).
     Every start, the first and each replacement, waits at most ``start_deadline_s`` for the
     constructors (:func:`wait_ready`).
     """
 
     def __init__(self, cls: type, name: str, plan: Plan, torch_threads: int = 1,
                  per_rank_kwargs: list[dict] | None = None, wait: bool = True,
-                 start_deadline_s: float = START_DEADLINE_S, **kwargs: Any):
+                 start_deadline_s: float = START_DEADLINE_S, get: Callable[[list, str], list] | None = None,
+                 **kwargs: Any):
         self.name = name
         self._cls, self._plan, self._threads = cls, plan, torch_threads
         self._per_rank_kwargs, self._kwargs = per_rank_kwargs, kwargs
         self.start_deadline_s = start_deadline_s
-        self.get: Callable[[list, str], list] = _ray_get
+        self.get: Callable[[list, str], list] = get or _ray_get
         self.processes: list[WorkerProcess | None] = [None] * plan.groups[name].num_workers
         self.workers = [self._start(rank) for rank in range(len(self.processes))]
         if wait:

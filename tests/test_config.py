@@ -110,3 +110,24 @@ def test_a_config_file_may_pick_options_in_a_defaults_list_and_set_keys_of_the_s
     mine.write_text("defaults: [{envv: libero_10}]\n")
     with pytest.raises(UserError, match="defaults"):
         file_overrides(mine)
+
+
+# keys that were constants in the code (issue 37): today's value as the default, set from the command line,
+# refused out of range (with the range test above, which covers every numeric key)
+FORMER_CONSTANTS = [
+    ("env.startup_timeout_s", 300.0, "600", "0"),
+    ("runner.probe_every_s", 5.0, "1.5", "0"),
+    ("runner.recovery_settle_s", 30.0, "5", "-1"),
+    ("runner.solved_success", 0.9, "0.75", "1.5"),
+    ("runner.keep_checkpoints", 3, "1", "0"),
+    ("placement.fsdp_from_parameters", 100_000_000, "1000000", "-1"),
+]
+
+
+@pytest.mark.parametrize(("key", "default", "value", "bad"), FORMER_CONSTANTS, ids=[k[0] for k in FORMER_CONSTANTS])
+def test_a_former_constant_is_a_key_with_its_old_default(key, default, value, bad):
+    section, name = key.split(".")
+    assert getattr(getattr(TrainConfig(), section), name) == default
+    assert getattr(getattr(compose([f"{key}={value}"]), section), name) == pytest.approx(float(value))
+    with pytest.raises(UserError, match=f"{key}={bad}.* is out of range"):
+        compose([f"{key}={bad}"])

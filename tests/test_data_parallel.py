@@ -73,7 +73,8 @@ def _actors(ray, cfg, spec: dict, world: int, strategy: str) -> list:
               for r in range(world)]
     if world > 1:
         address = ray.get(actors[0].group_address.remote())
-        assert ray.get([a.join_data_parallel.remote(address, strategy) for a in actors]) == [strategy] * world
+        joined = [a.join_data_parallel.remote(address, strategy, cfg.placement.fsdp_from_parameters) for a in actors]
+        assert ray.get(joined) == [strategy] * world
     ray.get([a.freeze_reference.remote() for a in actors])
     return actors
 

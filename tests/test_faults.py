@@ -177,6 +177,20 @@ def test_embodied_chaos_reports_the_faults_it_injected_and_the_run_survived(tmp_
     assert "detected and survived" in (run_dir / "chaos.md").read_text()
 
 
+@pytest.mark.slow  # 40 s; the other strategies' recovery runs in the test above
+def test_a_lost_rollout_worker_under_broadcast_weight_sync_restarts_the_broadcast_group(tmp_path):
+    """A torch.distributed broadcast group cannot take a new member (``WeightSync.fixed_membership``):
+    killing the rollout worker restarts it and the actor, which keeps its state, and the run goes on."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL_OVERRIDES, *FAULTY, "placement.weight_sync=broadcast", f"runner.run_dir={run_dir}",
+            "ray.num_cpus=2"]
+    proc = run_cli("chaos", *args, "--faults", "1", "--targets", "rollout", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    chaos = json.loads((run_dir / "chaos.json").read_text())
+    assert chaos["injected"] == 1 and chaos["detected"] == 1, chaos
+    assert json.loads((run_dir / "eval.json").read_text())["training"]["env_steps"] == 240
+
+
 def test_beyond_the_restart_budget_the_run_stops_with_exit_4_a_fresh_checkpoint_and_the_message(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL_OVERRIDES, *FAULTY, "runner.checkpoint_every=1000", "runner.max_worker_restarts=0",

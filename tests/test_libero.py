@@ -183,6 +183,7 @@ def test_grpo_groups_start_from_one_init_state():
         worker.close()
 
 
+@pytest.mark.slow  # 30 s; GRPO through the runner: test_train_e2e.py (ManiSkill), LIBERO groups: above
 def test_grpo_trains_on_libero_through_the_runner(ray_cluster, tmp_path):
     """Two GRPO iterations of the Trainer: each resets the envs in groups and runs one whole
     6-step episode per env; every step of those episodes is a training sample."""

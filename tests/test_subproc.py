@@ -30,6 +30,8 @@ class TinyEnv:
     def __init__(self, index: int, fault: str = "", faulty: int = 0, marker: str = ""):
         self.index, self.fault, self.marker = index, fault if index == faulty else "", marker
         self.seed, self.t = 0, 0
+        if self.fault == "slow_start":
+            time.sleep(3)
 
     def _obs(self) -> dict[str, np.ndarray]:
         return {"state": np.array([self.seed, self.t, self.index], np.float32)}
@@ -60,9 +62,9 @@ class TinyEnv:
 
 
 def _env(num_envs: int = 2, num_procs: int = 1, timeout_s: float = 30.0, restart: bool = False,
-         **fault) -> SubprocVecEnv:
+         startup_timeout_s: float = 300.0, **fault) -> SubprocVecEnv:
     return SubprocVecEnv(functools.partial(TinyEnv, **fault), num_envs, num_procs, timeout_s=timeout_s,
-                         restart_crashed=restart)
+                         restart_crashed=restart, startup_timeout_s=startup_timeout_s)
 
 
 def _zeros(env: SubprocVecEnv) -> torch.Tensor:
@@ -83,6 +85,20 @@ def test_an_unknown_command_is_refused_at_once_and_the_process_serves_on():
         assert env.render(3).max() == 3
     finally:
         env.close()
+
+
+def test_building_the_envs_has_its_own_deadline_env_startup_timeout_s():
+    """A start slower than ``timeout_s`` is waited for up to ``startup_timeout_s``, and no longer
+    (env 1 takes 3 s to build; env 0 is built in this process, to learn the shapes)."""
+    env = _env(num_envs=2, num_procs=1, timeout_s=1, startup_timeout_s=30, fault="slow_start", faulty=1)
+    try:
+        assert env.reset(seed=0)[0]["state"].shape == (2, 3)
+    finally:
+        env.close()
+    started = time.monotonic()
+    with pytest.raises(EnvCrashedError, match=r"(?s)did not answer `start` within 2 s.*env.startup_timeout_s"):
+        _env(num_envs=2, num_procs=1, timeout_s=1, startup_timeout_s=2, fault="slow_start", faulty=1)
+    assert time.monotonic() - started < 10
 
 
 def test_render_of_a_hung_process_fails_at_its_deadline_and_the_next_step_replaces_it():

@@ -133,8 +133,8 @@ def test_bad_input_a_worker_finds_is_a_user_error_not_a_fault_to_retry(ray_clust
     a WorkerFailure, which the runner would answer by replacing workers and trying again."""
     from scheduler.faults import Deadlines, Watchdog, WorkerFailure
 
-    group = WorkerGroup(EchoWorker, "env", plan, offset=0)
-    watchdog = Watchdog({"env": group}, Deadlines(30.0, 5.0, 60.0))
+    watchdog = Watchdog(Deadlines(30.0, 5.0, 60.0))
+    group = watchdog.watch(WorkerGroup(EchoWorker, "env", plan, offset=0, get=watchdog.get))
     try:
         with pytest.raises(UserError, match="policy.image_size=4") as err:
             watchdog.get(group.call_async("refuse"), "refuse")

@@ -60,11 +60,12 @@ class ActorWorker(Worker):
         """Rank 0: where a process group it opens meets (the actor ranks', or the weight broadcast's)."""
         return group_address()
 
-    def join_data_parallel(self, address: str, strategy: str) -> str:
+    def join_data_parallel(self, address: str, strategy: str, fsdp_from: int) -> str:
         """Join the actor ranks' process group (all ranks at once) and start training with
-        ``placement.data_parallel`` = ``strategy``; returns the strategy it resolved to."""
+        ``placement.data_parallel`` = ``strategy`` (``auto``: fsdp from ``fsdp_from`` =
+        ``placement.fsdp_from_parameters`` parameters on); returns the strategy it resolved to."""
         parameters = sum(p.numel() for p in self.policy.parameters())
-        resolved = resolve_strategy(strategy, parameters)
+        resolved = resolve_strategy(strategy, parameters, fsdp_from)
         self._start_training(join_group(address, self.rank, self.world_size, self.device, resolved))
         return resolved
 

@@ -26,10 +26,11 @@ class SftWorker(Worker):
     def group_address(self) -> str:
         return group_address()
 
-    def start(self, address: str, strategy: str) -> str:
+    def start(self, address: str, strategy: str, fsdp_from: int) -> str:
         """Join the ranks' group and build this rank's trainer with ``placement.data_parallel`` =
-        ``strategy``; returns the strategy it resolved to."""
-        resolved = resolve_strategy(strategy, sum(p.numel() for p in self.policy.parameters()))
+        ``strategy`` (``auto``: fsdp from ``fsdp_from`` = ``placement.fsdp_from_parameters``
+        parameters on); returns the strategy it resolved to."""
+        resolved = resolve_strategy(strategy, sum(p.numel() for p in self.policy.parameters()), fsdp_from)
         dp = join_group(address, self.rank, self.world_size, self.device, resolved)
         self.trainer = SftTrainer(self.policy, self.sft_cfg, self.seed, device=self.device, dp=dp)
         return resolved
