@@ -20,9 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from embodied.chaos import GROUP_OF, TARGETS, ChaosMonkey, Injection, compare, draw_schedule, markdown, report
-from embodied.commands.common import add_config_flags, add_overrides, composed_overrides
+from embodied.commands.common import (
+    composed_overrides,
+    config_command,
+    printed_job_config,
+)
 from embodied.commands.train import prepare, train_once
-from embodied.config import compose, to_yaml
+from embodied.config import compose
 from envs.common import UserError
 
 if TYPE_CHECKING:
@@ -33,9 +37,10 @@ HELP = "train while killing / stopping workers on a seeded schedule; report what
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``chaos``: train's flags and overrides, plus the fault schedule's."""
-    parser = subparsers.add_parser("chaos", help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser)
+    config_command(subparsers, "chaos", HELP, __doc__, run, "as for `embodied train`", flags=_schedule_flags)
+
+
+def _schedule_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", type=int, default=10, metavar="N", help="worker faults to inject (default: 10)")
     parser.add_argument("--chaos-seed", type=int, default=0, metavar="S",
                         help="seed of the fault schedule (default: 0)")
@@ -44,15 +49,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(simulator: the sim processes of env workers, with env.num_procs > 0)")
     parser.add_argument("--reference", action="store_true",
                         help="also train without faults (into <run_dir>/reference) and compare the final evaluations")
-    add_overrides(parser, "as for `embodied train`")
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Train under the schedule; write and print the report; the run directory is the last line."""
     overrides = composed_overrides(args)
-    if args.cfg == "job":
-        print(to_yaml(compose(overrides)))
+    if printed_job_config(args, lambda: compose(overrides)):
         return 0
     chaos = Chaos(args.faults, args.chaos_seed, parse_targets(args.targets))
     run_dir, summary = train_once(prepare(overrides), alongside=chaos.injecting)

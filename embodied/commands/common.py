@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -20,6 +20,7 @@ from embodied.config import (
     compose,
     config_groups,
     group_option,
+    to_yaml,
     unknown_group_option_error,
     validate,
 )
@@ -41,6 +42,30 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                         "run nothing")
     parser.add_argument("--config", metavar="FILE", help="a YAML file of settings (group options, sections of "
                         "keys), applied before the command line's overrides (which win)")
+
+
+def config_command(subparsers: argparse._SubParsersAction, name: str, help: str, description: str | None,
+                   run: Callable[[argparse.Namespace], int], overrides_help: str = "",
+                   flags: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.ArgumentParser:
+    """Declare a command that runs a composed config: ``--cfg`` / ``--config``, the command's own
+    ``flags`` (a function that adds them), then the overrides; ``run(args)`` runs it."""
+    parser = subparsers.add_parser(name, help=help, description=description,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser)
+    if flags is not None:
+        flags(parser)
+    add_overrides(parser, overrides_help)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def printed_job_config(args: argparse.Namespace, config: Callable[[], TrainConfig]) -> bool:
+    """``--cfg job``: print the config the command would run (``config()``, composed the command's
+    way) and say so; the command then stops."""
+    if args.cfg != "job":
+        return False
+    print(to_yaml(config()))
+    return True
 
 
 def composed_overrides(args: argparse.Namespace) -> list[str]:

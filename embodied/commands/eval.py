@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 from embodied.commands.common import (
-    add_config_flags,
-    add_overrides,
     checkpointed,
     composed_overrides,
+    config_command,
     out_dir,
+    printed_job_config,
     run_protocol,
 )
 from embodied.config import to_yaml
@@ -30,11 +30,8 @@ from envs.registry import check_env_config, seed_scheme
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``eval`` (the config flags and overrides) and ``evals`` (one run directory, no flags)."""
-    parser = subparsers.add_parser("eval", help="the env's evaluation protocol: per-task table, JSON, videos",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser)
-    add_overrides(parser, "checkpoint=<run_dir|file.pt> evaluates those weights with their run's config")
-    parser.set_defaults(run=run)
+    config_command(subparsers, "eval", "the env's evaluation protocol: per-task table, JSON, videos", __doc__, run,
+                   "checkpoint=<run_dir|file.pt> evaluates those weights with their run's config")
     evals = subparsers.add_parser("evals", help="the evaluations of a run's checkpoints, oldest first",
                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     evals.add_argument("run_dir", nargs="?", help="the training run directory (`embodied train`'s last line)")
@@ -44,8 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """``eval``, or with ``--cfg job`` the config it would evaluate with (a checkpoint's own, overridden)."""
     overrides = composed_overrides(args)
-    if args.cfg == "job":
-        print(to_yaml(checkpointed(overrides)[0]))
+    if printed_job_config(args, lambda: checkpointed(overrides)[0]):
         return 0
     return evaluate(overrides)
 

@@ -14,8 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-from embodied.commands.common import add_config_flags, add_overrides, composed_overrides
-from embodied.config import compose, to_yaml
+from embodied.commands.common import (
+    composed_overrides,
+    config_command,
+    printed_job_config,
+)
+from embodied.config import compose
 from envs.common import UserError
 from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.cost_model import Network
@@ -25,24 +29,23 @@ from scheduler.planner import plan
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``plan``: the config flags and overrides, and the what-if flags of the cluster planned for."""
-    parser = subparsers.add_parser("plan", help="candidate plans predicted from a stage profile",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser)
+    config_command(subparsers, "plan", "candidate plans predicted from a stage profile", __doc__, run,
+                   flags=_what_if_flags)
+
+
+def _what_if_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, metavar="N", help="plan for this many devices (what-if)")
     parser.add_argument("--profile", metavar="P", help="a saved profile (JSON) instead of this machine's")
     parser.add_argument("--devices-per-node", type=int, metavar="G", help="nodes of this many devices (what-if)")
     parser.add_argument("--network-gbps", type=float, default=100.0, metavar="B",
                         help="link between nodes, Gb/s (default: 100)")
     parser.add_argument("--json", action="store_true", help="print the candidates as JSON")
-    add_overrides(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """``plan``, or with ``--cfg job`` the config it would plan for."""
     overrides = composed_overrides(args)
-    if args.cfg == "job":
-        print(to_yaml(compose(overrides)))
+    if printed_job_config(args, lambda: compose(overrides)):
         return 0
     return show_plans(overrides, args.devices, args.profile, args.json, args.devices_per_node, args.network_gbps)
 

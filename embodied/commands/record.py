@@ -13,31 +13,27 @@ import math
 import sys
 
 from embodied.commands.common import (
-    add_config_flags,
-    add_overrides,
     checkpointed,
     composed_overrides,
+    config_command,
     out_dir,
+    printed_job_config,
     run_protocol,
 )
-from embodied.config import TrainConfig, to_yaml
+from embodied.config import TrainConfig
 from envs.registry import check_env_config, seed_scheme
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``record``: the config flags and overrides."""
-    parser = subparsers.add_parser("record", help="mp4 videos of the protocol's episodes", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser)
-    add_overrides(parser, "checkpoint=<run_dir|file.pt> films those weights with their run's config")
-    parser.set_defaults(run=run)
+    config_command(subparsers, "record", "mp4 videos of the protocol's episodes", __doc__, run,
+                   "checkpoint=<run_dir|file.pt> films those weights with their run's config")
 
 
 def run(args: argparse.Namespace) -> int:
     """``record``, or with ``--cfg job`` the config it would film with."""
     overrides = composed_overrides(args)
-    if args.cfg == "job":
-        print(to_yaml(checkpointed(overrides)[0]))
+    if printed_job_config(args, lambda: checkpointed(overrides)[0]):
         return 0
     return record(overrides)
 

@@ -11,30 +11,26 @@ import argparse
 from pathlib import Path
 
 from embodied.commands.common import (
-    add_config_flags,
-    add_overrides,
     composed_overrides,
+    config_command,
+    printed_job_config,
     removed_if_failed_empty,
     run_protocol,
 )
-from embodied.config import compose, to_yaml
+from embodied.config import compose
 from envs.registry import check_env_config, env_action_dim, seed_scheme
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``sft``: the config flags and overrides."""
-    parser = subparsers.add_parser("sft", help="warm-start a VLA on motion-planner demos, then evaluate it",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser)
-    add_overrides(parser, "sft.* sets the demos and epochs")
-    parser.set_defaults(run=run)
+    config_command(subparsers, "sft", "warm-start a VLA on motion-planner demos, then evaluate it", __doc__, run,
+                   "sft.* sets the demos and epochs")
 
 
 def run(args: argparse.Namespace) -> int:
     """``sft``, or with ``--cfg job`` the config it would run."""
     overrides = composed_overrides(args)
-    if args.cfg == "job":
-        print(to_yaml(compose(overrides)))
+    if printed_job_config(args, lambda: compose(overrides)):
         return 0
     return sft(overrides)
 

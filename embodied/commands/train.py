@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from embodied.commands.common import (
-    add_config_flags,
-    add_overrides,
     checkpointed,
     composed_overrides,
+    config_command,
     config_from_saved,
+    printed_job_config,
     removed_if_failed_empty,
     split_override,
 )
-from embodied.config import TrainConfig, to_yaml
+from embodied.config import TrainConfig
 from envs.common import UserError
 from envs.registry import seed_scheme
 
@@ -37,18 +37,14 @@ HELP = "train; the last line printed is the run directory"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``train``: the config flags and overrides (plus ``resume=`` / ``checkpoint=``), nothing else."""
-    parser = subparsers.add_parser("train", help=HELP, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser)
-    add_overrides(parser, "resume=<run_dir> continues a run; checkpoint=<run_dir|file.pt> warm-starts from one")
-    parser.set_defaults(run=run)
+    config_command(subparsers, "train", HELP, __doc__, run,
+                   "resume=<run_dir> continues a run; checkpoint=<run_dir|file.pt> warm-starts from one")
 
 
 def run(args: argparse.Namespace) -> int:
     """Train one run (``--cfg job``: print its config, resolved as the run would, and stop)."""
     start = prepare(composed_overrides(args))
-    if args.cfg == "job":  # printed here, not by the generic path: resume= reloads a saved config
-        print(to_yaml(start.cfg))
+    if printed_job_config(args, lambda: start.cfg):  # resume= reloads a saved config: print what runs
         return 0
     run_dir, _ = train_once(start)
     print(run_dir.resolve())
