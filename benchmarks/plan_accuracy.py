@@ -68,8 +68,8 @@ def run_workload(name: str, overrides: list[str], iterations: int) -> dict:
     from embodied.config import compose
     from embodied.runner import STAGE_RUNNERS
     from scheduler.auto import auto_placement
-    from scheduler.cluster import cluster_devices, start_cluster
     from scheduler.placement import to_placement
+    from scheduler.runtime.cluster import cluster_devices, start_cluster
 
     cfg = compose([*COMMON, *overrides])
     start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)

@@ -11,8 +11,8 @@ from embodied.workers.rollout_worker import BOOTSTRAP_MASKS
 from envs.common import UserError, unknown_name_error
 from envs.registry import check_env_config, env_action_dim, env_obs_keys, seed_scheme
 from policies.registry import check_policy_config, check_policy_observations
-from scheduler.data_parallel import resolve_strategy
 from scheduler.placement import check_placement
+from scheduler.runtime.data_parallel import resolve_strategy
 
 
 def check_run_config(cfg: TrainConfig, rollout_only: bool = False) -> list[str]:

@@ -105,7 +105,7 @@ def _quiet() -> None:
 def _explain(err: BaseException) -> tuple[str, int] | None:
     """A user-facing (message, exit code) for errors we know how to explain."""
     from envs.subproc import EnvCrashedError
-    from scheduler.faults import RestartBudgetExceeded, WorkerFailure
+    from scheduler.runtime.faults import RestartBudgetExceeded, WorkerFailure
 
     if isinstance(err, RestartBudgetExceeded):
         return err.message(), EXIT_WORKER_FAULT

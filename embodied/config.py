@@ -158,7 +158,7 @@ class PlacementConfig:
     profile_dir: str = "runs/profiles"  # mode auto: where measured profiles are cached
     env_workers: int = ranged(2, 1)  # Ray actors that step simulators
     rollout_workers: int = ranged(1, 1)  # Ray actors that run policy inference
-    # Ray actors that train, data-parallel (one device each, scheduler/data_parallel.py)
+    # Ray actors that train, data-parallel (one device each, scheduler/runtime/data_parallel.py)
     actor_workers: int = ranged(1, 1)
     # how several actor ranks keep one policy: "replicate" (a whole copy each, gradients all-reduced),
     # "fsdp" (FSDP2: weights, gradients and Adam state sharded) or "auto" (fsdp from fsdp_from_parameters on)

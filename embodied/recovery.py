@@ -1,8 +1,8 @@
 """What a training run keeps of its worker faults: the restart budget, and the record users read.
 
-The runner finds a fault (scheduler/faults.py), spends one restart of the worker's group
+The runner finds a fault (scheduler/runtime/faults.py), spends one restart of the worker's group
 here (:meth:`FaultLog.spend`: beyond ``runner.max_worker_restarts`` within
-``runner.restart_window_minutes`` it raises :class:`~scheduler.faults.RestartBudgetExceeded`),
+``runner.restart_window_minutes`` it raises :class:`~scheduler.runtime.faults.RestartBudgetExceeded`),
 replaces the workers (``Workers.recover``), then adds a :class:`FaultRecord` per worker. The
 records become TensorBoard scalars (``faults/``) and the ``faults`` section of ``eval.json``.
 """
@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from embodied.config import RunnerConfig
-from scheduler.faults import RestartBudget, RestartBudgetExceeded, WorkerFailure, WorkerFault
+from scheduler.runtime.faults import RestartBudget, RestartBudgetExceeded, WorkerFailure, WorkerFault
 
 
 @dataclass
@@ -26,7 +26,7 @@ class FaultRecord:
     call: str  # what the runner waited on
     group: str
     rank: int
-    kind: str  # dead | hung | node_failed | crashed (scheduler/faults.py); "stalled": no worker at fault
+    kind: str  # dead | hung | node_failed | crashed (scheduler/runtime/faults.py); "stalled": no worker at fault
     pid: int | None
     detail: str
     action: str  # what was done: "replaced", "actor group restored from ckpt_000010.pt", ...

@@ -24,21 +24,22 @@ from envs.registry import (
 from envs.seeds import AutoResets, RunSeeds
 from policies.registry import check_policy_observations
 from scheduler.auto import AutoPlan, auto_placement
-from scheduler.channel import Channel
-from scheduler.cluster import cluster_devices, start_cluster
-from scheduler.context_switch import ContextSwitcher
-from scheduler.faults import Deadlines, Watchdog, WorkerFailure, WorkerFault
-from scheduler.layout import BatchLayout
-from scheduler.placement import ClusterDevices, make_plan
+from scheduler.placement import make_plan
 from scheduler.profiler import StageRunners
-from scheduler.weight_sync_strategies import make_weight_sync
-from scheduler.worker import WorkerGroup, wait_ready
+from scheduler.runtime.channel import Channel
+from scheduler.runtime.cluster import cluster_devices, start_cluster
+from scheduler.runtime.context_switch import ContextSwitcher
+from scheduler.runtime.faults import Deadlines, Watchdog, WorkerFailure, WorkerFault
+from scheduler.runtime.layout import BatchLayout
+from scheduler.runtime.plan import ClusterDevices
+from scheduler.runtime.weight_sync_strategies import make_weight_sync
+from scheduler.runtime.worker import WorkerGroup, wait_ready
 
 
 class Workers:
     """The three worker groups of a run, the channel between env and rollout workers,
     weight sync and context switching. Every call they are waited on has a deadline
-    (:class:`~scheduler.faults.Watchdog`); :meth:`recover` replaces workers that failed."""
+    (:class:`~scheduler.runtime.faults.Watchdog`); :meth:`recover` replaces workers that failed."""
 
     def __init__(self, cfg: TrainConfig, devices: ClusterDevices, auto: AutoPlan | None = None):
         """Start the groups of a checked config on a running cluster's ``devices`` (see

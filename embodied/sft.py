@@ -25,9 +25,9 @@ from envs.registry import env_action_dim
 from policies.base import POLICIES
 from policies.registry import check_policy_config
 from policies.vla.action_tokenizer import ActionStats
-from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.placement import make_plan
-from scheduler.worker import WorkerGroup
+from scheduler.runtime.cluster import cluster_devices, start_cluster
+from scheduler.runtime.worker import WorkerGroup
 
 
 def demos_for(cfg: TrainConfig, progress: bool) -> Demos:

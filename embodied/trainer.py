@@ -34,7 +34,7 @@ from embodied.runner import start_workers
 from envs.common import UserError
 from envs.registry import seed_scheme, validation_seeds
 from envs.seeds import RunSeeds
-from scheduler.faults import RestartBudgetExceeded, WorkerFailure, WorkerFault
+from scheduler.runtime.faults import RestartBudgetExceeded, WorkerFailure, WorkerFault
 
 
 def success_ends_episode(cfg: TrainConfig) -> bool:

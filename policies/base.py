@@ -41,6 +41,8 @@ class Policy(nn.Module):
     trainable: bool = True  # False: a baseline for `embodied eval` only (policy=random)
     token_actions: bool = False  # emits action tokens: `embodied sft` can train it (bin_distributions)
     critic_modules: tuple[str, ...] = ("critic",)  # the value function's own modules (critic warm-up)
+    # methods the workers call instead of forward(): a sharded (FSDP) policy gathers its parameters around each
+    forward_methods: tuple[str, ...] = ("act", "evaluate", "value")
     noise_dim: int  # randomness per sample that act() consumes
 
     @classmethod

@@ -35,6 +35,7 @@ class TokenActionPolicy(Policy):
 
     chunks = True  # policy.chunk_size actions per decision
     token_actions = True
+    forward_methods = (*Policy.forward_methods, "bin_distributions")
     critic_modules = ("value_head",)
 
     def _setup_actions(self, cfg, action_dim: int, actions: ActionTokenizer) -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from envs.common import UserError
 from scheduler.cost_model import Profile, Workload
-from scheduler.data_parallel import resolve_strategy
 from scheduler.placement import to_placement
 from scheduler.planner import PlanChoice, plan
 from scheduler.profiler import StageRunners, cached_profile
+from scheduler.runtime.data_parallel import resolve_strategy
 
 
 @dataclass

@@ -55,10 +55,10 @@ import torch
 from envs.messages import Trajectory
 from policies.registry import make_policy
 from scheduler.cost_model import Candidate, Curve, Profile
-from scheduler.data_parallel import AllReduceProbe
-from scheduler.offload import DeviceState
 from scheduler.placement import to_placement
-from scheduler.worker import resident_mib
+from scheduler.runtime.data_parallel import AllReduceProbe
+from scheduler.runtime.offload import DeviceState
+from scheduler.runtime.worker import resident_mib
 
 PROFILE_VERSION = 11
 

@@ -78,7 +78,7 @@ def _name(process) -> str:
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A real local Ray cluster with 2 CPU slots, shared by the whole session."""
-    from scheduler.cluster import start_cluster, stop_cluster
+    from scheduler.runtime.cluster import start_cluster, stop_cluster
 
     os.environ["EMBODIED_RAY_TMP"] = str(tmp_path_factory.mktemp("ray"))
     resources = start_cluster(num_cpus=2)

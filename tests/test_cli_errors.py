@@ -382,7 +382,7 @@ def test_each_failure_has_its_own_exit_code():
     """0 ok, 1 a check said no, 2 bad input, 3 a crash, 4 a worker fault beyond the restart budget."""
     from embodied.cli import EXIT_CODES, EXIT_ENV_CRASH, EXIT_USER_ERROR, EXIT_WORKER_FAULT, _explain
     from envs.subproc import EnvCrashedError
-    from scheduler.faults import RestartBudgetExceeded, WorkerFailure, WorkerFault
+    from scheduler.runtime.faults import RestartBudgetExceeded, WorkerFailure, WorkerFault
 
     assert sorted(EXIT_CODES) == [0, 1, 2, 3, 4]
     fault = WorkerFault("env", 1, "dead", "rollout", "killed")

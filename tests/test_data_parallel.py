@@ -1,4 +1,4 @@
-"""Data-parallel actor ranks (scheduler/data_parallel.py): one update on 2 ranks (real Ray
+"""Data-parallel actor ranks (scheduler/runtime/data_parallel.py): one update on 2 ranks (real Ray
 actors in a gloo process group) gives the weights of the same update on 1 rank, replicated or
 sharded with FSDP2, for PPO on the MLP and GRPO on the tiny VLA with LoRA and a KL penalty."""
 
@@ -10,7 +10,7 @@ import torch
 from embodied.algorithms.ppo import sample_owners
 from embodied.config import compose
 from envs.messages import Trajectory
-from scheduler.layout import BatchLayout
+from scheduler.runtime.layout import BatchLayout
 
 STATE_SPEC = {"state": ((7,), torch.float32)}
 VLA_SPEC = {"rgb": ((32, 32, 3), torch.uint8), "state": ((9,), torch.float32)}

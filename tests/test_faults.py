@@ -20,8 +20,8 @@ import tests.test_faults as this_module
 from embodied.chaos import ChaosMonkey, Injection, draw_schedule, report
 from embodied.checkpoint import load_checkpoint
 from embodied.trainer import Trainer
-from scheduler.faults import Deadlines, RestartBudget, WorkerFailure
-from scheduler.worker import Worker, WorkerGroup
+from scheduler.runtime.faults import Deadlines, RestartBudget, WorkerFailure
+from scheduler.runtime.worker import Worker, WorkerGroup
 from tests.conftest import SMALL_OVERRIDES, run_cli, small_config
 
 # Ray workers cannot import the tests package: ship this module's classes by value
@@ -74,8 +74,8 @@ class HangsWhileStarting(Worker):
 @pytest.mark.parametrize("start", ["first", "replacement"])
 def test_a_worker_whose_constructor_hangs_is_reported_hung_within_its_start_deadline(ray_cluster, tmp_path, start):
     from embodied.config import PlacementConfig
-    from scheduler.cluster import cluster_devices
     from scheduler.placement import make_plan
+    from scheduler.runtime.cluster import cluster_devices
 
     plan = make_plan(PlacementConfig(env_workers=1, env="0", rollout="0", actor="1"), cluster_devices(), num_envs=1)
     marker = tmp_path / "hang"

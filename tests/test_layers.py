@@ -1,7 +1,7 @@
-"""The packages' layers (docs/architecture.md, "Layers"): ``envs`` < ``policies`` < ``scheduler`` <
-``embodied``. A module imports only from its own layer or below, and no chain of imports
-leads back to where it started. Imports inside function bodies count too: a lazy import
-hides a dependency, but it is still one.
+"""The packages' layers (docs/architecture.md, "Layers"): ``envs`` < ``policies`` <
+``scheduler.runtime`` < ``scheduler`` < ``embodied``. A module imports only from its own layer
+or below, and no chain of imports leads back to where it started. Imports inside function bodies
+count too: a lazy import hides a dependency, but it is still one.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("envs", "policies", "scheduler", "embodied")  # bottom to top
+LAYERS = ("envs", "policies", "scheduler.runtime", "scheduler", "embodied")  # bottom to top
+PACKAGES = ("envs", "policies", "scheduler", "embodied")
 
 
 def _module_name(path: Path) -> str:
@@ -20,7 +21,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_module_name(f): f for layer in LAYERS for f in sorted((ROOT / layer).rglob("*.py"))}
+MODULES = {_module_name(f): f for package in PACKAGES for f in sorted((ROOT / package).rglob("*.py"))}
 
 
 def _project_module(name: str) -> str | None:
@@ -48,7 +49,10 @@ GRAPH = {module: {m for _, m in _imports(path) if m != module} for module, path 
 
 
 def _layer(module: str) -> int:
-    return LAYERS.index(module.split(".")[0])
+    """Index in LAYERS of the deepest layer that holds ``module`` (``scheduler.runtime.worker`` is
+    in ``scheduler.runtime``, ``scheduler.auto`` in ``scheduler``)."""
+    holders = [layer for layer in LAYERS if module == layer or module.startswith(layer + ".")]
+    return LAYERS.index(max(holders, key=len))
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
@@ -107,7 +111,7 @@ def test_cycle_finder_finds_cycles(graph, expected):
 
 def test_the_checks_see_every_package_and_lazy_imports():
     """The graph is not empty by mistake: every layer is there, and a function-body import counts."""
-    assert {m.split(".")[0] for m in MODULES} == set(LAYERS)
+    assert {LAYERS[_layer(m)] for m in MODULES} == set(LAYERS)
     assert "policies.vla.policy" in GRAPH["policies.registry"]  # imported inside _import_policies()
 
 
@@ -167,3 +171,11 @@ def test_imports_are_at_module_top_except_heavy_ones():
              for path in MODULES.values() for line, name in _deferred_imports(path)
              if not _is_heavy_name(name) and _project_module(name) not in heavy]
     assert not light, "move these imports to the module's top (nothing heavy to defer):\n" + "\n".join(light)
+
+
+def test_the_runtime_does_not_import_the_planner():
+    """The runtime (worker groups, channel, faults, weight sync, offload) runs a Plan it is given;
+    choosing one (placement, profiler, cost model, planner) is the layer above."""
+    runtime = [m for m in MODULES if _layer(m) == LAYERS.index("scheduler.runtime")]
+    assert "scheduler.runtime.worker" in runtime and "scheduler.placement" not in runtime
+    assert _layer("scheduler.placement") > _layer("scheduler.runtime.faults")

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from scheduler.layout import BatchLayout
+from scheduler.runtime.layout import BatchLayout
 
 LAYOUTS = [BatchLayout(n, w, s, c) for n, w, s, c in itertools.product((8, 24), (1, 2, 4), (1, 2), (1, 8))]
 

@@ -169,7 +169,7 @@ def test_grpo_groups_start_from_one_init_state():
     from embodied.workers.env_worker import EnvWorker
     from envs.registry import training_reset_seeds
     from envs.seeds import AutoResets, RunSeeds
-    from scheduler.layout import BatchLayout
+    from scheduler.runtime.layout import BatchLayout
 
     cfg = compose(["env=libero_spatial", "env.image_size=32"]).env
     worker = EnvWorker(cfg, BatchLayout(num_envs=2, env_workers=1), rank=0, world_size=1)

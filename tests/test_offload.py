@@ -7,7 +7,7 @@ import torch
 
 from embodied.config import PolicyConfig
 from policies.registry import make_policy
-from scheduler.offload import DeviceState
+from scheduler.runtime.offload import DeviceState
 from tests.conftest import assert_identical
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

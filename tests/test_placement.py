@@ -4,7 +4,8 @@ import pytest
 
 from embodied.config import PlacementConfig
 from envs.common import UserError
-from scheduler.placement import ClusterDevices, Device, make_plan, parse_devices
+from scheduler.placement import make_plan, parse_devices
+from scheduler.runtime.plan import ClusterDevices, Device
 
 TWO_CPUS = ClusterDevices.single_node("cpu", 2)
 

@@ -144,7 +144,8 @@ def test_candidates_cover_every_split_once():
 def test_every_candidate_is_a_placement_the_runner_accepts(devices):
     """auto runs the planner's choice through make_plan: every candidate must be a valid plan."""
     from embodied.config import compose
-    from scheduler.placement import ClusterDevices, make_plan, to_placement
+    from scheduler.placement import make_plan, to_placement
+    from scheduler.runtime.plan import ClusterDevices
 
     base = compose([]).placement
     cluster = ClusterDevices.single_node("gpu", devices)

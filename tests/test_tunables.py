@@ -12,7 +12,7 @@ import pytest
 
 from embodied.checkpoint import Progress, resolve_checkpoint, save_checkpoint
 from embodied.config import TrainConfig
-from scheduler.data_parallel import resolve_strategy
+from scheduler.runtime.data_parallel import resolve_strategy
 
 
 def _save(run_dir: Path, iterations: range, keep: int) -> list[str]:
@@ -75,7 +75,7 @@ def test_the_run_is_solved_at_the_first_validation_reaching_runner_solved_succes
 
 def test_recovery_waits_runner_recovery_settle_s_for_the_survivors(monkeypatch):
     import embodied.runner as runner
-    from scheduler.worker import WorkerFailure
+    from scheduler.runtime.worker import WorkerFailure
 
     settled = []
     monkeypatch.setattr(runner, "Channel", lambda name: SimpleNamespace(close=lambda: None))

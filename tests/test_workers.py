@@ -8,10 +8,10 @@ import pytest
 
 import tests.test_workers as this_module
 from envs.common import UserError
-from scheduler.channel import Channel
-from scheduler.cluster import cluster_devices
 from scheduler.placement import make_plan
-from scheduler.worker import Worker, WorkerGroup
+from scheduler.runtime.channel import Channel
+from scheduler.runtime.cluster import cluster_devices
+from scheduler.runtime.worker import Worker, WorkerGroup
 
 # Ray workers cannot import the tests package: ship this module's classes by value
 cloudpickle.register_pickle_by_value(this_module)
@@ -112,7 +112,7 @@ def test_constructor_error_surfaces(ray_cluster, plan):
 def test_channel_passes_small_items_by_value_and_large_by_reference(ray_cluster):
     import numpy as np
 
-    from scheduler.channel import _INLINE_BYTES, InOrder
+    from scheduler.runtime.channel import _INLINE_BYTES, InOrder
 
     channel = Channel("sizes")
     small = {"actions": np.arange(8, dtype=np.float32)}
@@ -131,7 +131,7 @@ def test_channel_passes_small_items_by_value_and_large_by_reference(ray_cluster)
 def test_bad_input_a_worker_finds_is_a_user_error_not_a_fault_to_retry(ray_cluster, plan):
     """A UserError raised in a worker's call comes back as that UserError (the CLI's exit 2), never as
     a WorkerFailure, which the runner would answer by replacing workers and trying again."""
-    from scheduler.faults import Deadlines, Watchdog, WorkerFailure
+    from scheduler.runtime.faults import Deadlines, Watchdog, WorkerFailure
 
     watchdog = Watchdog(Deadlines(30.0, 5.0, 60.0))
     group = watchdog.watch(WorkerGroup(EchoWorker, "env", plan, offset=0, get=watchdog.get))

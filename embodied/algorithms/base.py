@@ -17,7 +17,7 @@ from torch import nn
 
 from envs.common import Registry
 from envs.messages import Trajectory
-from scheduler.data_parallel import SINGLE, DataParallel
+from scheduler.runtime.data_parallel import SINGLE, DataParallel
 
 ALGORITHMS = Registry("algorithm (algorithm.name; configs/algorithm/ sets it)")
 

@@ -15,7 +15,7 @@ from embodied.algorithms.ppo import PPO
 from envs.chunking import episode_decisions
 from envs.common import UserError
 from envs.registry import env_episode_steps
-from scheduler.layout import BatchLayout
+from scheduler.runtime.layout import BatchLayout
 
 
 @ALGORITHMS.register("grpo")

@@ -25,7 +25,7 @@ from embodied.algorithms.logprob_levels import LOGPROB_LEVELS, group_logprobs
 from embodied.algorithms.losses import LOSSES, LossTerms, critic_loss, kl_to_reference
 from envs.common import UserError
 from envs.messages import Trajectory
-from scheduler.data_parallel import SINGLE, DataParallel
+from scheduler.runtime.data_parallel import SINGLE, DataParallel
 
 
 def compute_advantages(batch: Trajectory, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ Read top to bottom: :func:`chunk_targets` (what each demo step teaches), :class:
 On ``placement.actor_workers`` ranks (``embodied/workers/sft_worker.py``) every rank holds
 every demo and draws the same shuffle; each minibatch's rows are split over the ranks in
 contiguous blocks and each rank's loss is weighted by its share, so the summed gradient, and
-the step, are one rank's (``scheduler/data_parallel.py``).
+the step, are one rank's (``scheduler/runtime/data_parallel.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
 from policies.vla.action_tokenizer import ActionStats
-from scheduler.data_parallel import SINGLE, DataParallel
+from scheduler.runtime.data_parallel import SINGLE, DataParallel
 
 STATISTICS = ("loss", "token_accuracy")
 

@@ -160,7 +160,7 @@ def run_protocol(cfg: TrainConfig, actor_state: dict | None, seeds: list[int],
     simply redone on replaced workers, up to ``runner.max_worker_restarts`` times (the trainer's
     recovery also restores optimizer state and progress, which an evaluation has none of)."""
     from embodied.runner import start_workers
-    from scheduler.faults import WorkerFailure
+    from scheduler.runtime.faults import WorkerFailure
 
     workers = start_workers(cfg)
     try:

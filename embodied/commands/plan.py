@@ -21,10 +21,10 @@ from embodied.commands.common import (
 )
 from embodied.config import compose
 from envs.common import UserError
-from scheduler.cluster import cluster_devices, start_cluster
 from scheduler.cost_model import Network
 from scheduler.placement import to_placement
 from scheduler.planner import plan
+from scheduler.runtime.cluster import cluster_devices, start_cluster
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -12,9 +12,9 @@ from embodied.algorithms.registry import make_algorithm
 from envs.messages import Trajectory
 from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
-from scheduler.data_parallel import SINGLE, DataParallel, join_group, resolve_strategy
-from scheduler.offload import DeviceState
-from scheduler.weight_sync import (
+from scheduler.runtime.data_parallel import SINGLE, DataParallel, join_group, resolve_strategy
+from scheduler.runtime.offload import DeviceState
+from scheduler.runtime.weight_sync import (
     SharedLayout,
     SharedWeights,
     broadcast_module,
@@ -22,14 +22,14 @@ from scheduler.weight_sync import (
     join_process_group,
     plan_layout,
 )
-from scheduler.worker import Worker
+from scheduler.runtime.worker import Worker
 
 
 class ActorWorker(Worker):
     """Rank ``rank`` of ``world_size`` actor ranks (``placement.actor_workers``). One rank trains
     from construction on; several first meet in a process group (:meth:`group_address` on
     rank 0, then :meth:`join_data_parallel` on all at once) and train data-parallel
-    (scheduler/data_parallel.py)."""
+    (scheduler/runtime/data_parallel.py)."""
 
     def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int, seed: int,
                  update_threads: int = 1, **kwargs):

@@ -1,7 +1,7 @@
 """EnvWorker: owns a slice of the env batch and trades observations for actions over a Channel.
 
 The slice is cut into ``stages`` micro-batches (``placement.pipeline_stages``, sizes from the
-run's :class:`~scheduler.layout.BatchLayout`), each its own VecEnv. Per step and stage ``s``
+run's :class:`~scheduler.runtime.layout.BatchLayout`), each its own VecEnv. Per step and stage ``s``
 the worker waits for actions under ``action_key(rank, s)``, steps that micro-batch and puts a
 :class:`~envs.messages.StepMessage` under ``observation_key(rank, s)``. While it steps
 micro-batch ``s`` the rollout worker is free to infer on micro-batch ``s - 1``: that is the
@@ -22,9 +22,9 @@ from envs.chunking import ChunkedVecEnv
 from envs.messages import EnvEvaluation, EnvRollout, EnvSpec, StepMessage
 from envs.registry import make_vec_env
 from envs.seeds import AutoResets
-from scheduler.channel import Channel, InOrder, action_key, observation_key
-from scheduler.layout import BatchLayout
-from scheduler.worker import Worker, resident_mib
+from scheduler.runtime.channel import Channel, InOrder, action_key, observation_key
+from scheduler.runtime.layout import BatchLayout
+from scheduler.runtime.worker import Worker, resident_mib
 
 
 class EnvWorker(Worker):

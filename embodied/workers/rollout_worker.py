@@ -1,6 +1,6 @@
 """RolloutWorker: runs policy inference for its env workers and assembles trajectories.
 
-It serves the env ranks and micro-batches its :class:`~scheduler.layout.BatchLayout` names
+It serves the env ranks and micro-batches its :class:`~scheduler.runtime.layout.BatchLayout` names
 (``layout.streams(rank, world_size)``). The :class:`~envs.messages.Trajectory` it returns has
 the micro-batches joined back in env order.
 """
@@ -16,17 +16,17 @@ from envs.messages import StepMessage, Trajectory
 from envs.seeds import Purpose, RunSeeds, episode_noise_seed
 from policies.base import set_batch_invariant
 from policies.registry import make_policy
-from scheduler.channel import Channel, InOrder, action_key, observation_key
-from scheduler.layout import BatchLayout
-from scheduler.offload import DeviceState
-from scheduler.weight_sync import (
+from scheduler.runtime.channel import Channel, InOrder, action_key, observation_key
+from scheduler.runtime.layout import BatchLayout
+from scheduler.runtime.offload import DeviceState
+from scheduler.runtime.weight_sync import (
     SharedLayout,
     SharedWeights,
     broadcast_module,
     join_process_group,
     use_views_as_parameters,
 )
-from scheduler.worker import Worker
+from scheduler.runtime.worker import Worker
 
 # which finished episodes get their final observation's value added to the last reward
 BOOTSTRAP_MASKS = Registry("bootstrap rule (algorithm.bootstrap)")

@@ -6,9 +6,9 @@ import torch
 
 from embodied.algorithms.sft import SftTrainer, seeded_policy
 from policies.vla.action_tokenizer import ActionStats
-from scheduler.data_parallel import join_group, resolve_strategy
-from scheduler.weight_sync import group_address
-from scheduler.worker import Worker
+from scheduler.runtime.data_parallel import join_group, resolve_strategy
+from scheduler.runtime.weight_sync import group_address
+from scheduler.runtime.worker import Worker
 
 
 class SftWorker(Worker):

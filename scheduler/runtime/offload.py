@@ -1,13 +1,13 @@
 """Context switching: park what a worker holds on its device in host memory, and bring it back.
 
-Groups that share a device take turns on it (see :class:`~scheduler.context_switch.ContextSwitcher`);
+Groups that share a device take turns on it (see :class:`~scheduler.runtime.context_switch.ContextSwitcher`);
 the group whose turn it is not offloads. :class:`DeviceState` moves a module's
 parameters, buffers and gradients and an optimizer's state to host memory (pinned,
 for fast copies back, when the device is a GPU) and frees their device storage;
 :meth:`DeviceState.onload` restores them bit for bit. Parameter objects keep their
 identity, so the optimizer and any references to them stay valid.
 
-A module sharded with FSDP2 (data-parallel actor ranks, ``scheduler/data_parallel.py``)
+A module sharded with FSDP2 (data-parallel actor ranks, ``scheduler/runtime/data_parallel.py``)
 keeps references of its own to each rank's shard (padded flat buffers the all-gathers read),
 which swapping ``param.data`` would leave stale: its shards move with ``module.to`` instead,
 which FSDP2 re-registers; the optimizer's state (DTensor shards) is parked like any other.

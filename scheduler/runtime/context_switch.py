@@ -1,6 +1,6 @@
 """The driver side of context switching: groups that share devices take turns.
 
-Workers implement ``offload()`` / ``onload()`` (see :mod:`scheduler.offload`); the
+Workers implement ``offload()`` / ``onload()`` (see :mod:`scheduler.runtime.offload`); the
 driver's :class:`ContextSwitcher` decides who holds the devices.
 """
 
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 
-from scheduler.placement import PHASES, Plan
-from scheduler.worker import WorkerGroup
+from scheduler.runtime.plan import PHASES, Plan
+from scheduler.runtime.worker import WorkerGroup
 
 
 class ContextSwitcher:
     """The device lock of groups that share devices: one phase holds them at a time.
 
-    Phases (``scheduler.placement.PHASES``): ``generate`` (env + rollout workers) and
+    Phases (``scheduler.runtime.plan.PHASES``): ``generate`` (env + rollout workers) and
     ``train`` (the actor). Before a phase runs, the other phase's groups that share a
     device with it offload (when the plan offloads at all) and its own groups onload.
     Only the driver calls :meth:`turn`, so turns never interleave.

@@ -14,8 +14,8 @@ deadline, becomes a :class:`WorkerFailure` naming each faulty worker as a :class
 - ``crashed``: it raised (an env process that crashed below an EnvWorker).
 
 A rank whose constructor outlives its start-up deadline (first start or replacement) is ``hung``
-too: :func:`scheduler.worker.wait_ready` raises that :class:`WorkerFailure`. The fault classes
-are defined in scheduler/worker.py for that reason (this module builds on it); import them from
+too: :func:`scheduler.runtime.worker.wait_ready` raises that :class:`WorkerFailure`. The fault classes
+are defined in scheduler/runtime/worker.py for that reason (this module builds on it); import them from
 either.
 
 A deadline is ``max(floor, factor x the slowest of the call's recent durations)``, or a fixed
@@ -33,7 +33,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 
 from envs.common import UserError
-from scheduler.worker import WorkerFailure, WorkerFault, WorkerGroup
+from scheduler.runtime.worker import WorkerFailure, WorkerFault, WorkerGroup
 
 
 class RestartBudgetExceeded(Exception):

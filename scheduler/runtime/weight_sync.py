@@ -89,7 +89,7 @@ def _named_tensors(module: torch.nn.Module):
     yield from ((n, b) for n, b in module.named_buffers() if b is not None and n in persistent)
 
 
-# -- process groups: the weight broadcast, and the actor ranks (scheduler/data_parallel.py) ----
+# -- process groups: the weight broadcast, and the actor ranks (scheduler/runtime/data_parallel.py) ----
 def group_address() -> str:
     """``ip:port`` on this node for rank 0 of a torch.distributed process group to listen on."""
     import ray

@@ -3,7 +3,7 @@
 The driver holds one :class:`WeightSync` for a run (``Workers.weight_sync``): :meth:`~WeightSync.setup`
 once the groups are up (and again after workers were replaced), :meth:`~WeightSync.publish` on the
 actor's side while it is resident, :meth:`~WeightSync.receive` on the rollout workers' side once they
-hold the devices. The workers' halves (shared buffers, broadcasts) are in scheduler/weight_sync.py.
+hold the devices. The workers' halves (shared buffers, broadcasts) are in scheduler/runtime/weight_sync.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from envs.common import Registry
-from scheduler.worker import WorkerGroup
+from scheduler.runtime.worker import WorkerGroup
 
 WEIGHT_SYNCS = Registry("weight sync (placement.weight_sync)")
 

@@ -6,7 +6,7 @@ import os
 import tempfile
 
 from envs.rendering import ensure_vulkan_icd
-from scheduler.placement import ClusterDevices, Device
+from scheduler.runtime.plan import ClusterDevices, Device
 
 # Ray 2.60 turns token auth on by default and writes ~/.ray/auth_token; a local
 # research cluster does not need it, and tests must not write to the home dir.
@@ -39,7 +39,7 @@ def cluster_devices():
     """The cluster's devices, numbered node by node (head node first, then by address).
 
     GPUs if any node has one, else CPU slots. Returns a
-    :class:`~scheduler.placement.ClusterDevices`.
+    :class:`~scheduler.runtime.plan.ClusterDevices`.
     """
     import ray
 

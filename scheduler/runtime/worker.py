@@ -6,7 +6,7 @@
 
 Starting a rank has a deadline too (:func:`wait_ready`): a constructor that hangs is a
 :class:`WorkerFailure` naming the rank as ``hung``, as the runner's watchdog
-(scheduler/faults.py) reports a call that hangs. The fault classes live here, not in faults.py,
+(scheduler/runtime/faults.py) reports a call that hangs. The fault classes live here, not in faults.py,
 because faults.py builds on :class:`WorkerGroup` and the import chain must not loop back.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from scheduler.placement import Plan
+from scheduler.runtime.plan import Plan
 
 # How long a rank's constructor may take, first start or replacement, where the caller gives no
 # deadline: the default of runner.first_call_deadline_s, the deadline of every call not yet measured
@@ -75,7 +75,7 @@ class Worker:
     """Base class of every worker: knows its rank, group size and device."""
 
     # True while the worker waits for a peer (a channel item): a call that outlives its deadline
-    # is then someone else's hang, not this worker's (scheduler/faults.py)
+    # is then someone else's hang, not this worker's (scheduler/runtime/faults.py)
     waiting_on_peers = False
 
     def __init__(self, rank: int, world_size: int, device_kind: str = "cpu", torch_threads: int = 1,
@@ -88,7 +88,7 @@ class Worker:
         use_cuda = device_kind == "gpu" and torch.cuda.is_available()
         self.device = torch.device(f"cuda:{local_device}" if use_cuda else "cpu")
 
-    # what offload() moves off the device while another group holds it (scheduler/offload.py);
+    # what offload() moves off the device while another group holds it (scheduler/runtime/offload.py);
     # None: nothing (CPU simulators hold no device memory, a GPU simulator just pauses:
     # PhysX cannot release its buffers without rebuilding the scene)
     device_state = None
@@ -182,7 +182,7 @@ class WorkerGroup:
     A rank that died or hung is replaced by :meth:`replace` (same rank, same arguments);
     :meth:`restart` replaces them all. ``get`` is how :meth:`call` waits for its results: plain
     ``ray.get``, or the runner's watchdog (``Watchdog.get``), which gives every call a deadline
-    (scheduler/faults.py).
+    (scheduler/runtime/faults.py).
     Every start, the first and each replacement, waits at most ``start_deadline_s`` for the
     constructors (:func:`wait_ready`).
     """

@@ -30,14 +30,12 @@ import torch
 from torch import nn
 
 from envs.common import UserError
-from scheduler.weight_sync import group_address, join_process_group
+from scheduler.runtime.weight_sync import group_address, join_process_group
 
 STRATEGIES = ("auto", "replicate", "fsdp")
 # auto: shard from here on (fp32 training state ~1.6 GB a replica); the default of placement.fsdp_from_parameters,
 # for callers without a config
 FSDP_FROM_PARAMETERS = 100_000_000
-# methods the trainer calls instead of forward(): FSDP gathers the root's parameters around them
-FORWARD_METHODS = ("evaluate", "value", "act", "bin_distributions")
 
 
 def resolve_strategy(choice: str, parameters: int, fsdp_from: int = FSDP_FROM_PARAMETERS) -> str:
@@ -111,7 +109,8 @@ class DataParallel:
     # -- the policy --------------------------------------------------------------------------
     def wrap(self, policy: nn.Module) -> nn.Module:
         """Shard ``policy`` in place (fsdp): each of its ``shard_units()`` (transformer blocks),
-        then the rest. Replicate: ``policy`` unchanged."""
+        then the rest; FSDP gathers the root's parameters around each of its ``forward_methods`` (the
+        methods its callers use instead of ``forward()``). Replicate: ``policy`` unchanged."""
         if not self.sharded:
             return policy
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -119,9 +118,8 @@ class DataParallel:
         for unit in policy.shard_units():
             fully_shard(unit)
         fully_shard(policy)
-        for method in FORWARD_METHODS:
-            if hasattr(policy, method):  # bin_distributions: token policies only
-                register_fsdp_forward_method(policy, method)
+        for method in policy.forward_methods:
+            register_fsdp_forward_method(policy, method)
         return policy
 
     def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
