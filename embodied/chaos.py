@@ -88,11 +88,11 @@ class ChaosMonkey(threading.Thread):
         trainer = self.trainer
         for injection in self.schedule:
             if not self._wait_until(lambda i=injection: trainer.progress.iteration >= i.iteration
-                                    and not trainer.recovering):
+                                    and not trainer.recovery.recovering):
                 return
             if self.done.wait(injection.delay_s):
                 return
-            if not self._wait_until(lambda: not trainer.recovering):
+            if not self._wait_until(lambda: not trainer.recovery.recovering):
                 return
             target = self._process(injection)
             if target is None:

@@ -5,9 +5,9 @@ size), placement, and the rules that tie sections together. One pass, before any
 
 from __future__ import annotations
 
+from embodied.algorithms.base import BOOTSTRAP_MASKS
 from embodied.algorithms.registry import make_algorithm
 from embodied.config import TrainConfig
-from embodied.workers.rollout_worker import BOOTSTRAP_MASKS
 from envs.common import UserError, unknown_name_error
 from envs.registry import check_env_config, env_action_dim, env_obs_keys, seed_scheme
 from policies.registry import check_policy_config, check_policy_observations

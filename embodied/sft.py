@@ -80,9 +80,10 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
     """Warm-start ``cfg.policy`` on demos of ``cfg.env.task`` (in this process, or on
     ``placement.actor_workers`` data-parallel ranks); returns the last epoch's statistics."""
     check_policy_config(cfg.policy, env_action_dim(cfg.env))
-    if not POLICIES.get(cfg.policy.name).token_actions:
-        raise UserError(f"embodied sft trains token policies (VLAs): policy={cfg.policy.name} has no action "
-                        "tokens. Use policy=openvla_tiny or policy=qwen_vl_tiny (or a real VLA config).")
+    if not POLICIES.get(cfg.policy.name).demo_statistics:
+        raise UserError(f"embodied sft trains policies with a demo loss (token policies: VLAs, mlp_tokens): "
+                        f"policy={cfg.policy.name} has none. Use policy=openvla_tiny or policy=qwen_vl_tiny "
+                        "(or a real VLA config).")
     demos = demos_for(cfg, cfg.runner.progress)
     obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in demos.obs.items()}
     action_dim, action_stats = demos.actions.shape[-1], ActionStats.from_actions(demos.actions)

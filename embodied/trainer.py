@@ -28,13 +28,13 @@ from embodied.checkpoint import (
 )
 from embodied.config import TrainConfig, to_yaml
 from embodied.evaluate import recording_episodes, summarize
-from embodied.recovery import FaultLog, FaultRecord
+from embodied.recovery import FaultLog, Recovery
 from embodied.run_logger import RunLogger
 from embodied.runner import start_workers
 from envs.common import UserError
 from envs.registry import seed_scheme, validation_seeds
 from envs.seeds import RunSeeds
-from scheduler.runtime.faults import RestartBudgetExceeded, WorkerFailure, WorkerFault
+from scheduler.runtime.faults import RestartBudgetExceeded, WorkerFailure
 
 
 def success_ends_episode(cfg: TrainConfig) -> bool:
@@ -93,7 +93,9 @@ class Trainer:
         # "eval" (a periodic validation), "checkpoint"
         self.todo: list[str] = [] if self.episodic else ["reset"]  # episodic iterations reset the envs themselves
         self.faults = FaultLog(cfg.runner)
-        self.recovering = False  # True while workers are being replaced (embodied chaos waits for it)
+        self.recovery = Recovery(self.workers, self.faults, note=lambda line: self.log.note("fault", line),
+                                 restore_actor=self._restore_actor, now=self._when, give_up=self._stop,
+                                 recovered=self._recovered)
 
     # -- checkpoints ------------------------------------------------------------
     def _state(self) -> dict:
@@ -147,13 +149,13 @@ class Trainer:
         while not saved:  # a lost actor restores an older checkpoint: train on from there
             while not self._training_done():
                 self._advance_started = start = time.perf_counter()
-                self._guarded(self._advance)
+                self.recovery.guarded(self._advance)
                 self.progress.train_seconds += time.perf_counter() - start
-            saved, _ = self._guarded(self.save)
+            saved, _ = self.recovery.guarded(self.save)
         self.log.close_progress()
         done, summary = False, None
         while not done:
-            done, summary = self._guarded(self.final_eval)
+            done, summary = self.recovery.guarded(self.final_eval)
         return summary
 
     def _advance(self) -> None:
@@ -172,56 +174,14 @@ class Trainer:
         self.eval_history.append(self._periodic_eval(elapsed=time.perf_counter() - self._advance_started))
         self._keep_if_best(self.eval_history[-1])
 
-    # -- faults ----------------------------------------------------------------------
-    def _guarded(self, work: Callable[[], Any]) -> tuple[bool, Any]:
-        """``(True, work())``, or ``(False, None)`` when a worker failed during it and was
-        replaced (every failure met while recovering is recovered from too, within the budget)."""
-        try:
-            return True, work()
-        except WorkerFailure as failure:
-            pending: WorkerFailure | None = failure
-            while pending is not None:
-                pending = self._recover(pending)
-            return False, None
+    # -- faults (embodied/recovery.py replaces the workers; these hooks restore the run) ----------
+    def _when(self) -> tuple[float, int]:
+        return self.progress.train_seconds / 60, self.progress.iteration
 
-    def _recover(self, failure: WorkerFailure) -> WorkerFailure | None:
-        """Spend a restart (beyond the budget: stop, see :meth:`_stop`), replace the failed
-        workers, restore a lost actor from the last checkpoint, and log each fault. Returns a
-        failure met on the way, None when the run can go on."""
-        started, detected_at, p = time.perf_counter(), time.time(), self.progress
-        self.recovering = True
-        try:
-            try:
-                self.faults.spend(failure)
-            except RestartBudgetExceeded as exceeded:
-                self._stop(exceeded, failure)
-            self.log.note("fault", f"{failure}; replacing the workers")
-            faults = self.workers.recover(failure)
-            groups = {f.group for f in faults}
-            iteration = p.iteration
-            lost, action = self._restore_actor() if "actor" in groups else (0, "replaced")
-            if not self.episodic and "reset" not in self.todo:
-                self.todo.insert(0, "reset")  # the aborted call left episodes half-run
-        except WorkerFailure as again:
-            return again
-        finally:
-            self.recovering = False
-        seconds = time.perf_counter() - started
-        envs_each = self.workers.layout.envs_per_worker
-        actions = {"actor": action, "channel": "channel renewed"}
-        recovery = len({r.recovery for r in self.faults.records})
-        for fault in faults or [WorkerFault("channel", 0, "stalled", failure.call, failure.detail)]:
-            self.faults.add(FaultRecord(
-                minute=p.train_seconds / 60, detected_at=detected_at, iteration=iteration, call=failure.call,
-                group=fault.group, rank=fault.rank, kind=fault.kind, pid=fault.pid, detail=fault.detail,
-                action=actions.get(fault.group, "replaced"), iterations_lost=lost if fault.group == "actor" else 0,
-                episodes_failed=envs_each if fault.group == "env" and failure.call == "rollout" else 0,
-                recovery=recovery, recovery_s=seconds))
-            if fault.group == "actor":
-                lost = 0  # the group's loss, counted once
-        self.log.scalars(self.faults.scalars(), p.env_steps)
-        self.log.note("fault", f"recovered in {seconds:.1f} s ({action}); {len(self.faults.records)} fault(s) so far")
-        return None
+    def _recovered(self) -> None:
+        if not self.episodic and "reset" not in self.todo:
+            self.todo.insert(0, "reset")  # the aborted call left episodes half-run
+        self.log.scalars(self.faults.scalars(), self.progress.env_steps)
 
     def _restore_actor(self) -> tuple[int, str]:
         """Load the newest checkpoint into the new actor group (none yet: the run's starting

@@ -59,13 +59,20 @@ class StepMessage:
 
 @dataclass
 class Trajectory:
-    """``T`` decisions of ``B`` envs, time-major, as PPO trains on them.
+    """``T`` decisions of ``B`` envs, time-major, as the run's algorithm asked the rollout workers
+    to keep them (``Algorithm.collection``, embodied/algorithms/base.py).
 
-    ``obs``: ``[T, B, ...]`` per key; ``actions``: ``[T, B, A]`` (what the policy scored, before
-    ``to_env``); ``logprobs``: float ``[T, B]``, or ``[T, B, tokens]`` for token policies (one per
-    action token); ``values`` / ``rewards``: float ``[T, B]``; ``dones``: bool
-    ``[T, B]`` (the episode ended at this step); ``next_value``: ``[B]``, the value of the
+    Always: ``obs``: ``[T, B, ...]`` per key; ``actions``: ``[T, B, A]`` (what the policy scored,
+    before ``to_env``); ``logprobs``: float ``[T, B]``, or ``[T, B, tokens]`` for token policies
+    (one per action token); ``values`` / ``rewards``: float ``[T, B]`` (rewards with
+    ``gamma * V(final obs)`` added where the collection bootstraps a cut episode); ``dones``:
+    bool ``[T, B]`` (the episode ended at this step); ``next_value``: ``[B]``, the value of the
     observation after the last step.
+
+    Kept only when the collection asks for next observations (off-policy critics), else None:
+    ``next_obs``: ``[T, B, ...]`` per key, the observation each step led to (where the episode
+    ended, its final observation, not the reset's); ``terminated``: bool ``[T, B]``, the episodes
+    that reached a terminal state (``dones & ~terminated``: cut by a time limit, to bootstrap).
     """
 
     obs: Obs
@@ -75,6 +82,8 @@ class Trajectory:
     rewards: torch.Tensor
     dones: torch.Tensor
     next_value: torch.Tensor
+    next_obs: Obs | None = None
+    terminated: torch.Tensor | None = None
 
     @property
     def steps(self) -> int:
@@ -86,10 +95,17 @@ class Trajectory:
 
     def map(self, per_step: Callable[[torch.Tensor], torch.Tensor],
             per_env: Callable[[torch.Tensor], torch.Tensor] | None = None, obs: bool = True) -> Trajectory:
-        """``per_step`` applied to every ``[T, B, ...]`` field (``obs`` too, unless ``obs=False``:
-        then none) and ``per_env`` (default ``per_step``) to ``next_value [B]``."""
-        steps = {f.name: per_step(getattr(self, f.name)) for f in fields(self) if f.name not in ("obs", "next_value")}
-        return Trajectory(obs={k: per_step(v) for k, v in self.obs.items()} if obs else {},
+        """``per_step`` applied to every ``[T, B, ...]`` field (``obs`` and ``next_obs`` too, unless
+        ``obs=False``: then they are left out) and ``per_env`` (default ``per_step``) to
+        ``next_value [B]``. Fields that are None stay None."""
+        def each(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else per_step(x)
+
+        def each_obs(o: Obs | None) -> Obs | None:
+            return None if o is None or not obs else {k: per_step(v) for k, v in o.items()}
+
+        steps = {f.name: each(getattr(self, f.name)) for f in fields(self) if f.name not in _NOT_PER_STEP}
+        return Trajectory(obs=each_obs(self.obs) or {}, next_obs=each_obs(self.next_obs),
                           next_value=(per_env or per_step)(self.next_value), **steps)
 
     def envs(self, which: slice) -> Trajectory:
@@ -101,13 +117,25 @@ class Trajectory:
 
     @classmethod
     def concat(cls, parts: list[Trajectory]) -> Trajectory:
-        """Join trajectories of the same ``T`` along the env axis, in order."""
+        """Join trajectories of the same ``T`` (kept the same way) along the env axis, in order."""
         if len(parts) == 1:
             return parts[0]
-        joined = {f.name: torch.cat([getattr(p, f.name) for p in parts], dim=1)
-                  for f in fields(cls) if f.name not in ("obs", "next_value")}
-        return cls(obs={k: torch.cat([p.obs[k] for p in parts], dim=1) for k in parts[0].obs},
-                   next_value=torch.cat([p.next_value for p in parts]), **joined)
+
+        def joined(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values, dim=1)
+
+        def joined_obs(name: str) -> Obs | None:
+            first = getattr(parts[0], name)
+            return None if first is None else {k: torch.cat([getattr(p, name)[k] for p in parts], dim=1)
+                                               for k in first}
+
+        return cls(obs=joined_obs("obs"), next_obs=joined_obs("next_obs"),
+                   next_value=torch.cat([p.next_value for p in parts]),
+                   **{f.name: joined(f.name) for f in fields(cls) if f.name not in _NOT_PER_STEP})
+
+
+_NOT_PER_STEP = ("obs", "next_obs", "next_value")  # Trajectory fields that are not one [T, B, ...] tensor
 
 
 @dataclass

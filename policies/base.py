@@ -33,13 +33,18 @@ class Policy(nn.Module):
     - ``to_env(actions [B, A])`` -> what the env is sent (a clipped box, un-normalised bins, a
       family's gripper steps).
     - ``weights_updated()``: called by the rollout worker after each weight sync.
+    - ``demo_loss(obs, targets [B, chunk_size, action_dim])`` -> ``{statistic: scalar}`` of
+      ``demo_statistics``, ``"loss"`` with gradients: what ``embodied sft`` minimises on demos
+      (token policies: cross-entropy over the targets' action tokens).
 
     What the trainer reads off the class, instead of probing with ``hasattr``:
     """
 
     chunks: bool = False  # can act in chunks (policy.chunk_size > 1)
     trainable: bool = True  # False: a baseline for `embodied eval` only (policy=random)
-    token_actions: bool = False  # emits action tokens: `embodied sft` can train it (bin_distributions)
+    token_actions: bool = False  # emits action tokens (bin_distributions)
+    # what demo_loss reports, "loss" first; empty: `embodied sft` cannot train this policy
+    demo_statistics: tuple[str, ...] = ()
     critic_modules: tuple[str, ...] = ("critic",)  # the value function's own modules (critic warm-up)
     # methods the workers call instead of forward(): a sharded (FSDP) policy gathers its parameters around each
     forward_methods: tuple[str, ...] = ("act", "evaluate", "value")

@@ -35,6 +35,7 @@ class TokenActionPolicy(Policy):
 
     chunks = True  # policy.chunk_size actions per decision
     token_actions = True
+    demo_statistics = ("loss", "token_accuracy")
     forward_methods = (*Policy.forward_methods, "bin_distributions")
     critic_modules = ("value_head",)
 
@@ -89,6 +90,14 @@ class TokenActionPolicy(Policy):
         """Teacher-forced log-probs of every bin at every action token ``[B, T, n_bins]`` given the
         sampled bins ``actions [B, T]``, and the value ``[B]``."""
         raise NotImplementedError
+
+    def demo_loss(self, obs: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Cross-entropy of the demo actions' tokens (``targets [B, chunk_size, action_dim]``,
+        teacher-forced), and how often the most likely bin is the demo's (``token_accuracy``)."""
+        bins = self.actions.bins(targets).flatten(1)
+        logp, _ = self.bin_distributions(obs, bins.float())
+        loss = -logp.gather(-1, bins.unsqueeze(-1)).squeeze(-1).mean()
+        return {"loss": loss, "token_accuracy": (logp.argmax(-1) == bins).float().mean()}
 
     def token_logprobs(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
         """``(log-probs [B, T], entropies [B, T], value [B])`` of the bins ``actions``, token by token."""

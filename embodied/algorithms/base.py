@@ -10,6 +10,7 @@ plus ``configs/algorithm/<name>.yaml`` (which sets ``name: <name>``) and its tes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -20,6 +21,37 @@ from envs.messages import Trajectory
 from scheduler.runtime.data_parallel import SINGLE, DataParallel
 
 ALGORITHMS = Registry("algorithm (algorithm.name; configs/algorithm/ sets it)")
+
+# which finished episodes get their final observation's value added to the last reward (algorithm.bootstrap)
+BOOTSTRAP_MASKS = Registry("bootstrap rule (algorithm.bootstrap)")
+BOOTSTRAP_MASKS.update({
+    "all_ends": lambda terminated, truncated: terminated | truncated,
+    "time_limit": lambda terminated, truncated: truncated & ~terminated,
+    "none": lambda terminated, truncated: torch.zeros_like(terminated),
+})
+
+
+@dataclass(frozen=True)
+class Collection:
+    """What the rollout workers keep of each step for an algorithm's update (the fields of the
+    :class:`~envs.messages.Trajectory` they send; embodied/workers/recorder.py keeps them).
+
+    - ``bootstrap`` (a ``BOOTSTRAP_MASKS`` name) and ``gamma``: where an episode was cut (by the
+      rule), add ``gamma * V(final observation)`` to its last reward, so that an on-policy
+      critic's returns carry past the reset. ``"none"``: rewards as the env gave them.
+    - ``next_obs``: keep the observation each step led to (the final one where an episode ended)
+      and ``terminated`` apart from the time limits, for a critic that bootstraps from them itself
+      (off-policy); rewards are then never bootstrapped by the rollout workers.
+    """
+
+    bootstrap: str = "none"
+    gamma: float = 1.0
+    next_obs: bool = False
+
+    def __post_init__(self):
+        if self.next_obs and self.bootstrap != "none":
+            raise ValueError("a collection that keeps next observations leaves bootstrapping to the critic: "
+                             "bootstrap must be 'none'")
 
 
 class Algorithm:
@@ -55,6 +87,20 @@ class Algorithm:
         """Whether success ends a training episode when ``env.success_ends_episode`` is null: an
         algorithm that scores an episode's return over the whole horizon keeps it running."""
         return not self.episodic
+
+    @property
+    def collection(self) -> Collection:
+        """What the rollout workers keep of each step: by default, as on-policy actor-critics want
+        (values, and rewards bootstrapped by ``algorithm.bootstrap`` with ``algorithm.gamma``)."""
+        return Collection(bootstrap=self.cfg.bootstrap, gamma=self.cfg.gamma)
+
+    def state_dict(self) -> dict:
+        """The algorithm's own training state beyond the policy and its optimizer (target networks,
+        a learned temperature, a replay buffer ...), saved with every checkpoint; none by default."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`'s output (a resumed run)."""
 
     def check(self, run_cfg, rollout_only: bool = False) -> None:
         """Raise a :class:`~envs.common.UserError` (naming the fix) for what this algorithm cannot

@@ -1,8 +1,9 @@
-"""Supervised fine-tuning of a token policy: cross-entropy over demo actions' tokens.
+"""Supervised fine-tuning on demos: minibatches of the policy's own demo loss (``Policy.demo_loss``:
+for token policies, cross-entropy over the demo actions' tokens).
 
 Read top to bottom: :func:`chunk_targets` (what each demo step teaches), :class:`SftTrainer`
 (the policy, its optimizer and the shuffle stream of one SFT rank) and its :meth:`epoch`
-(minibatches of cross-entropy over the targets' bins under the policy's action tokenizer).
+(minibatches of the policy's demo loss).
 
 On ``placement.actor_workers`` ranks (``embodied/workers/sft_worker.py``) every rank holds
 every demo and draws the same shuffle; each minibatch's rows are split over the ranks in
@@ -19,8 +20,6 @@ from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
 from policies.vla.action_tokenizer import ActionStats
 from scheduler.runtime.data_parallel import SINGLE, DataParallel
-
-STATISTICS = ("loss", "token_accuracy")
 
 
 def chunk_targets(actions: torch.Tensor, episode: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -71,37 +70,37 @@ class SftTrainer:
         self.generator = torch.Generator().manual_seed(RunSeeds(seed).generator(Purpose.SFT_SHUFFLE))
 
     def step(self, obs: dict, targets: torch.Tensor, share: float = 1.0) -> dict[str, float]:
-        """One gradient step of cross-entropy over the action tokens of ``targets [B, chunk_size, A]``
-        (this rank's rows: ``share`` of the minibatch); returns this rank's means."""
-        bins = self.policy.actions.bins(targets).flatten(1)
-        logp, _ = self.policy.bin_distributions(obs, bins.float())
-        loss = -logp.gather(-1, bins.unsqueeze(-1)).squeeze(-1).mean()
+        """One gradient step of the policy's demo loss on ``targets [B, chunk_size, A]`` (this rank's
+        rows: ``share`` of the minibatch); returns this rank's means of its ``demo_statistics``."""
+        stats = self.policy.demo_loss(obs, targets)
+        loss = stats["loss"]
         self.optimizer.zero_grad(set_to_none=True)
         weight = share * self.dp.loss_scale
         (loss if weight == 1.0 else loss * weight).backward()
         self.dp.sum_gradients(self.policy)
         self.optimizer.step()
-        return {"loss": loss.item(), "token_accuracy": (logp.argmax(-1) == bins).float().mean().item()}
+        return {k: float(v) for k, v in stats.items()}
 
     def epoch(self, obs: dict[str, torch.Tensor], targets: torch.Tensor, advance=None) -> dict[str, float]:
         """One shuffled pass over the demos (``obs`` ``[N, ...]`` per key, ``targets
-        [N, chunk_size, A]``); returns the means over its minibatches of :data:`STATISTICS`.
+        [N, chunk_size, A]``); returns the means over its minibatches of the policy's ``demo_statistics``.
         ``advance(rows)`` (if given) after each minibatch: a progress bar."""
         self.policy.train()
         n = len(targets)
         order = torch.randperm(n, generator=self.generator)
         starts = range(0, n, self.batch_size)
-        totals = torch.zeros(len(STATISTICS), dtype=torch.float64)
+        names = self.policy.demo_statistics
+        totals = torch.zeros(len(names), dtype=torch.float64)
         for start in starts:
             idx = order[start:start + self.batch_size]
             rows, share = rank_rows(idx, self.dp)
             step = self.step({k: v[rows].to(self.device) for k, v in obs.items()}, targets[rows].to(self.device),
                              share)
-            totals += torch.tensor([step[k] * share for k in STATISTICS], dtype=torch.float64)
+            totals += torch.tensor([step[k] * share for k in names], dtype=torch.float64)
             if advance is not None:
                 advance(len(idx))
         totals = self.dp.sum(totals) / len(starts)  # every rank's shares: the means of one rank holding all
-        return dict(zip(STATISTICS, totals.tolist(), strict=True))
+        return dict(zip(names, totals.tolist(), strict=True))
 
     def state(self) -> dict | None:
         """The whole training state a checkpoint keeps (``train checkpoint=`` warm-starts from it)

@@ -157,24 +157,25 @@ def run_protocol(cfg: TrainConfig, actor_state: dict | None, seeds: list[int],
     Returns ``(rows, videos, simulator steps run)`` (padding episodes and whole chunks included).
 
     An evaluation depends only on its seeds and the weights, so one that a worker fault broke is
-    simply redone on replaced workers, up to ``runner.max_worker_restarts`` times (the trainer's
-    recovery also restores optimizer state and progress, which an evaluation has none of)."""
+    simply redone on replaced workers, under the trainer's restart budget (``runner.max_worker_restarts``
+    within ``runner.restart_window_minutes``; embodied/recovery.py)."""
+    from embodied.recovery import FaultLog, Recovery
     from embodied.runner import start_workers
-    from scheduler.runtime.faults import WorkerFailure
 
     workers = start_workers(cfg)
+
+    def evaluate() -> tuple[list[dict], dict]:  # loads the weights every try: a replaced actor has its initial ones
+        if actor_state is not None:
+            workers.load_actor_state(actor_state, weights_only=True)
+        return workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
+
+    recovery = Recovery(workers, FaultLog(cfg.runner), note=lambda line: print(f"note: {line}", file=sys.stderr),
+                        restore_actor=lambda: (0, "replaced; the evaluated weights are loaded on the next try"))
     try:
-        for attempt in range(cfg.runner.max_worker_restarts + 1):
-            try:
-                if actor_state is not None:
-                    workers.load_actor_state(actor_state, weights_only=True)
-                rows, videos = workers.evaluate(seeds, cfg.eval.deterministic, record, progress=cfg.runner.progress)
-                break
-            except WorkerFailure as failure:
-                if attempt == cfg.runner.max_worker_restarts:
-                    raise
-                print(f"note: {failure}; replacing the workers and evaluating again", file=sys.stderr)
-                workers.recover(failure)
+        done, result = False, None
+        while not done:
+            done, result = recovery.guarded(evaluate)
+        rows, videos = result
         layout = workers.layout
         return rows, videos, layout.env_steps(workers.max_episode_steps) * len(layout.evaluation_rounds(len(seeds)))
     finally:

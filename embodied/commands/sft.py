@@ -57,8 +57,9 @@ def sft(overrides: list[str]) -> int:
     print(write_eval(run_dir, summary))
     index_evaluation(run_dir, run_dir, summary, "sft", str(resolve_checkpoint(run_dir)),
                      protocol_digest(cfg.eval, cfg.env, seeds))
-    print(f"SFT on {stats['demos']} demos ({stats['steps']} steps), {cfg.sft.epochs} epochs: "
-          f"loss {stats['sft/loss']:.3f}, token accuracy {stats['sft/token_accuracy']:.3f}; "
+    learned = ", ".join(f"{k.removeprefix('sft/').replace('_', ' ')} {v:.3f}" for k, v in stats.items()
+                        if k.startswith("sft/"))
+    print(f"SFT on {stats['demos']} demos ({stats['steps']} steps), {cfg.sft.epochs} epochs: {learned}; "
           f"eval success_once {summary['success_once']:.3f}")
     print(run_dir.resolve())
     return 0

@@ -132,7 +132,8 @@ class ActorWorker(Worker):
         any number of ranks resumes from it. Every rank calls; rank 0 answers."""
         state = {"policy": self.dp.whole_state(self.policy),
                  "optimizer": self.dp.full_optimizer_state(self.policy, self.optimizer),
-                 "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
+                 "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                 "algorithm": self.algorithm.state_dict()}
         if self.reference is not None:
             state["reference"] = self.dp.whole_state(self.reference)
         return state if self.rank == 0 else None
@@ -144,6 +145,7 @@ class ActorWorker(Worker):
         self.dp.load_full_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
+        self.algorithm.load_state_dict(state.get("algorithm", {}))  # checkpoints before algorithm state: none
         if self.cfg.kl_coef > 0:  # a resumed run keeps its original reference (older checkpoints: these weights)
             self.freeze_reference()
             if "reference" in state:

@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from envs.common import Registry
+from embodied.algorithms.registry import make_algorithm
+from embodied.workers.recorder import TrajectoryRecorder
 from envs.messages import StepMessage, Trajectory
 from envs.seeds import Purpose, RunSeeds, episode_noise_seed
 from policies.base import set_batch_invariant
@@ -28,20 +29,12 @@ from scheduler.runtime.weight_sync import (
 )
 from scheduler.runtime.worker import Worker
 
-# which finished episodes get their final observation's value added to the last reward
-BOOTSTRAP_MASKS = Registry("bootstrap rule (algorithm.bootstrap)")
-BOOTSTRAP_MASKS.update({
-    "all_ends": lambda terminated, truncated: terminated | truncated,
-    "time_limit": lambda terminated, truncated: truncated & ~terminated,
-    "none": lambda terminated, truncated: torch.zeros_like(terminated),
-})
-
 
 class RolloutWorker(Worker):
     def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int, layout: BatchLayout, seed: int,
                  **kwargs):
         super().__init__(**kwargs)
-        self.cfg = algorithm_cfg
+        self.collection = make_algorithm(algorithm_cfg).collection  # what the algorithm's update needs of a step
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device).eval()
         # micro-batches must get the actions the whole batch would: same kernels per row ...
         set_batch_invariant(self.policy)
@@ -136,40 +129,28 @@ class RolloutWorker(Worker):
         self._start_timing()
         self.generators = {r: torch.Generator().manual_seed(self.seeds.generator(Purpose.ROLLOUT_NOISE, r, iteration))
                            for r in self.env_ranks}
-        buffers = {stream: _empty_buffer() for stream in self.streams}
+        trajectories: dict[tuple[int, int], Trajectory] = {}
+        recorders = {stream: TrajectoryRecorder(self.collection, self._value) for stream in self.streams}
         incoming = self._observations(channel, num_steps)
         for t in range(num_steps + 1):
             step_noise: dict[int, torch.Tensor] = {}
             for env_rank, stage in self.streams:
                 msg = self._get(incoming)
-                buf = buffers[env_rank, stage]
+                recorder = recorders[env_rank, stage]
                 if t > 0:
-                    buf["rewards"].append(self._bootstrapped_reward(msg))
-                    buf["dones"].append(msg.done)
+                    recorder.outcome(msg)
                 if t == num_steps:
-                    buf["next_value"] = self.policy.value(self._obs(msg.obs)).cpu()
+                    trajectories[env_rank, stage] = recorder.finish(msg.obs)
                     continue
                 noise = self._noise(env_rank, stage, step_noise)
                 actions, logprob, value, env_actions = self._act(msg.obs, False, noise)
                 channel.put(env_actions, key=action_key(env_rank, stage))
-                for k, v in msg.obs.items():
-                    buf["obs"].setdefault(k, []).append(v)
-                buf["actions"].append(actions.cpu())
-                buf["logprobs"].append(logprob.cpu())
-                buf["values"].append(value.cpu())
+                recorder.decision(msg.obs, actions.cpu(), logprob.cpu(), value.cpu())
         self._stop_timing()
-        return Trajectory.concat([_stack(buffers[stream]) for stream in self.streams])
+        return Trajectory.concat([trajectories[stream] for stream in self.streams])
 
-    def _bootstrapped_reward(self, msg: StepMessage) -> torch.Tensor:
-        """Where an episode ended only because the env was reset (a time limit, or with
-        ``bootstrap=all_ends`` also a success), add ``gamma * V(final_obs)`` so the cut
-        does not read as a zero-value terminal state."""
-        reward = msg.reward.clone()
-        cut = BOOTSTRAP_MASKS.get(self.cfg.bootstrap)(msg.terminated, msg.truncated)
-        if bool(cut.any()):
-            final_value = self.policy.value(self._obs(msg.final_obs)).cpu()
-            reward[cut] += self.cfg.gamma * final_value[cut]
-        return reward
+    def _value(self, obs: dict) -> torch.Tensor:
+        return self.policy.value(self._obs(obs)).cpu()
 
     @torch.no_grad()
     def serve_eval(self, num_steps: int, channel: Channel, deterministic: bool,
@@ -190,12 +171,3 @@ class RolloutWorker(Worker):
                                          for g in noise_of[env_rank, stage]])
                     channel.put(self._act(msg.obs, deterministic, noise)[3], key=action_key(env_rank, stage))
         self._stop_timing()
-
-
-def _empty_buffer() -> dict:
-    return {"obs": {}, "actions": [], "logprobs": [], "values": [], "rewards": [], "dones": []}
-
-
-def _stack(buf: dict) -> Trajectory:
-    stacked = {k: torch.stack(buf[k]) for k in ("actions", "logprobs", "values", "rewards", "dones")}
-    return Trajectory(obs={k: torch.stack(v) for k, v in buf["obs"].items()}, next_value=buf["next_value"], **stacked)
