@@ -256,6 +256,9 @@ class RunnerConfig:
     # while it waits on a call, the runner pings the workers this often: a dead one is found within this
     # time, not at the call's deadline
     probe_every_s: float = ranged(5.0, 0, above=True)
+    # a worker that does not answer a ping within this long, once a call has outlived its deadline, is "hung"
+    # (a stopped or deadlocked process); one that answers but is still busy is reported as such
+    ping_timeout_s: float = ranged(10.0, 0, above=True)
     # a worker that dies or hangs is replaced (an actor rank: its group restarts from the last checkpoint)
     # and the run goes on; more than max_worker_restarts restarts of one group within restart_window_minutes
     # stop the run with a checkpoint written then and exit code 4

@@ -55,7 +55,7 @@ class Workers:
         # every call to a group is waited on with a deadline, and a failure is traced to its rank
         self.watchdog = watchdog = Watchdog(Deadlines(runner.call_deadline_floor_s, runner.call_deadline_factor,
                                                       runner.first_call_deadline_s, runner.call_deadline_s),
-                                            probe_every_s=runner.probe_every_s)
+                                            probe_every_s=runner.probe_every_s, ping_timeout_s=runner.ping_timeout_s)
         started = dict(start_deadline_s=runner.first_call_deadline_s, get=watchdog.get)
         self.env = watchdog.watch(WorkerGroup(EnvWorker, "env", plan, threads, env_cfg=cfg.env, layout=self.layout,
                                               **started))

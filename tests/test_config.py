@@ -117,6 +117,7 @@ def test_a_config_file_may_pick_options_in_a_defaults_list_and_set_keys_of_the_s
 FORMER_CONSTANTS = [
     ("env.startup_timeout_s", 300.0, "600", "0"),
     ("runner.probe_every_s", 5.0, "1.5", "0"),
+    ("runner.ping_timeout_s", 10.0, "3", "0"),
     ("runner.recovery_settle_s", 30.0, "5", "-1"),
     ("runner.solved_success", 0.9, "0.75", "1.5"),
     ("runner.keep_checkpoints", 3, "1", "0"),

@@ -99,7 +99,8 @@ class Watchdog:
     :class:`WorkerFailure`. Refs of calls in flight stay listed until they settle, so an aborted
     call's survivors can be waited for (:meth:`settle`). While it waits it pings the workers every
     ``probe_every_s`` (``runner.probe_every_s``; 5 s for callers without a config), so a dead one
-    is found then, not at the deadline; a ping unanswered for ``ping_timeout_s`` is a silent worker."""
+    is found then, not at the deadline; a ping unanswered for ``ping_timeout_s`` (``runner.ping_timeout_s``;
+    10 s for callers without a config) is a silent worker."""
 
     def __init__(self, deadlines: Deadlines, probe_every_s: float = 5.0, ping_timeout_s: float = 10.0):
         self.groups: dict[str, WorkerGroup] = {}  # what :meth:`watch` was given
