@@ -33,7 +33,7 @@ COMMON = ["runner.progress=false", "placement.pin_cpus=true", "placement.profile
 WORKLOADS = {
     "state-mlp-8": ["env.num_envs=8", "algorithm.rollout_steps=25"],
     "state-mlp-32": ["env.num_envs=32", "algorithm.rollout_steps=25"],
-    "state-wide-mlp-16": ["env.num_envs=16", "algorithm.rollout_steps=25", "policy.hidden_sizes=[1024,1024,1024]"],
+    "state-wide-mlp-16": ["env.num_envs=16", "algorithm.rollout_steps=25", "policy.net.hidden_sizes=[1024,1024,1024]"],
     "rgb-cnn-8": ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.num_envs=8", "policy=cnn",
                   "algorithm.rollout_steps=20"],
     "rgb-cnn-wide-8": ["env=maniskill_pushcube_rgb", "env.image_size=128", "env.num_envs=8", "policy=cnn_wide",

@@ -26,7 +26,7 @@ ACTION_DIM = 8  # PushCube's pd_joint_delta_pos
 
 
 def measure(model: str, batch: int, repeats: int, device: str) -> dict:
-    cfg = compose([f"policy={model}", "policy.instruction=push the cube to the goal region"]).policy
+    cfg = compose([f"policy={model}", "policy.vla.instruction=push the cube to the goal region"]).policy
     torch.manual_seed(0)
     policy = make_policy(cfg, SPEC, ACTION_DIM).to(device).eval()
     obs = {"rgb": torch.randint(0, 256, (batch, 64, 64, 3), dtype=torch.uint8, device=device),

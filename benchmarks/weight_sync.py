@@ -22,7 +22,7 @@ METHODS = ("shared_memory", "object_store", "broadcast")
 
 def measure(method: str, hidden: int, repeats: int) -> dict:
     cfg = compose([
-        "env.num_envs=2", "placement.env_workers=1", f"policy.hidden_sizes=[{hidden},{hidden},{hidden}]",
+        "env.num_envs=2", "placement.env_workers=1", f"policy.net.hidden_sizes=[{hidden},{hidden},{hidden}]",
         "placement.mode=hybrid", "placement.env=0", "placement.rollout=1", "placement.actor=0",
         f"placement.weight_sync={method}",
     ])

@@ -42,22 +42,23 @@ def _check_policy_sees_what_it_needs(cfg: TrainConfig) -> None:
 
 
 def _check_camera_is_the_trained_one(cfg: TrainConfig) -> None:
-    """A checkpoint sees the images it was trained on: its config's ``policy.camera_size`` and
-    ``policy.camera_rendering`` against the env's (the public-checkpoint configs set the env to match;
+    """A checkpoint sees the images it was trained on: its config's ``policy.vla.camera_size`` and
+    ``policy.vla.camera_rendering`` against the env's (the public-checkpoint configs set the env to match;
     this refuses an override that would feed it other pixels without a word)."""
     policy, env = cfg.policy, cfg.env
     if env.obs_mode != "rgb":
         return
-    opt_out = "or, to run this checkpoint on other images knowingly, policy.{key}=null"
-    if policy.camera_size is not None and env.image_size != policy.camera_size:
-        raise UserError(f"env.image_size={env.image_size}, but this checkpoint was trained on {policy.camera_size} px "
-                        f"camera images (policy.camera_size={policy.camera_size}, its authors' render size): its "
+    opt_out = "or, to run this checkpoint on other images knowingly, policy.vla.{key}=null"
+    trained = policy.vla
+    if trained.camera_size is not None and env.image_size != trained.camera_size:
+        raise UserError(f"env.image_size={env.image_size}, but this checkpoint was trained on {trained.camera_size} px "
+                        f"camera images (policy.vla.camera_size={trained.camera_size}, its authors' render size): its "
                         f"processor would resize other frames, and it would see pixels it never saw. Set "
-                        f"env.image_size={policy.camera_size}, {opt_out.format(key='camera_size')}.")
-    if policy.camera_rendering is not None and env.rendering != policy.camera_rendering:
+                        f"env.image_size={trained.camera_size}, {opt_out.format(key='camera_size')}.")
+    if trained.camera_rendering is not None and env.rendering != trained.camera_rendering:
         raise UserError(f"env.rendering={env.rendering}, but this checkpoint was trained on images rendered with "
-                        f"'{policy.camera_rendering}' (policy.camera_rendering; reference = robosuite's defaults, as "
-                        f"its authors render). Set env.rendering={policy.camera_rendering}, "
+                        f"'{trained.camera_rendering}' (policy.vla.camera_rendering; reference = robosuite's defaults, "
+                        f"as its authors render). Set env.rendering={trained.camera_rendering}, "
                         f"{opt_out.format(key='camera_rendering')}.")
 
 

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from embodied.config_ranges import check_ranges, ranged
+from embodied.policy_config import PolicyConfig, moved_policy_key, upgrade_saved_policy
 from envs.common import UserError, unknown_name_error
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -51,51 +52,6 @@ class EnvConfig:
     # evaluations do. None: true for PPO, false for GRPO, which scores an episode by its return, so a
     # quick success must not score a shorter, smaller dense return than a failure that lasts
     success_ends_episode: bool | None = None
-
-
-@dataclass
-class PolicyConfig:
-    name: str = "mlp"  # registered in policies/registry.py
-    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256, 256])
-    activation: str = "tanh"
-    log_std_init: float = ranged(-0.5)  # initial log std of the Gaussian action distribution (any value)
-    cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 64])  # cnn only
-    feature_dim: int = ranged(256, 1)  # cnn only: image embedding size
-    # mlp_tokens only: how the trunk gives the 256 bin logits of each action token (policies/mlp_tokens.py):
-    # "gaussian" (a Gaussian's log-density at the bins: learns from scratch as policy=mlp does) or
-    # "logits" (free, as a VLA's LM head: from scratch, far slower; docs/results/rl_from_scratch)
-    token_head: str = "gaussian"
-    # VLA policies (policies/vla/)
-    model_path: str | None = None  # a save_pretrained directory (model + tokenizer); None: a tiny model from scratch
-    dtype: str = "float32"  # VLAs: the weights' dtype once loaded: float32 | bfloat16 (checkpoints ship bf16)
-    image_size: int = ranged(64, 1)  # tiny VLAs: the vision backbones' input size
-    # action-token sampling temperature in training rollouts (evaluation is greedy)
-    temperature: float = ranged(1.0, 0, above=True)
-    instruction: str = ""  # the language instruction where the env gives none (ManiSkill tasks)
-    lora_rank: int = ranged(0, 0)  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen
-    chunk_size: int = ranged(1, 1)  # VLAs: actions per decision (an action chunk, executed open loop by the env worker)
-    unnorm_key: str | None = None  # OpenVLA checkpoints: whose norm_stats un-normalise actions (optional if one)
-    # VLA checkpoints: which statistics map actions (and OFT's proprio) to [-1, 1], upstream's NormalizationType:
-    # bounds_q99 (q01 / q99: OpenVLA; OFT on LIBERO, Bridge) or bounds (min / max: OFT on ALOHA). Checkpoints do
-    # not record it (OFT's constants.py picks it per robot platform); the run log says which was used
-    normalization: str = "bounds_q99"
-    backend: str = "hf"  # VLA rollout generation: hf (transformers, KV cache) or vllm (GPU, Qwen-VL only)
-    proprio: bool = False  # openvla_oft: feed the env's `state` (proprioception) as one more input token
-    cameras: list[str] = field(default_factory=lambda: ["rgb"])  # VLAs: images fed in order (OFT: + wrist_rgb)
-    stop_token: bool = True  # openvla_oft: a STOP token after the action placeholders (OFT, SimpleVLA-RL; RLinf: false)
-    # VLAs: how the checkpoint family wants inputs and actions (policies/vla/adapters.py; each published
-    # family's values: docs/vla_checkpoints.md and its configs/policy/*.yaml)
-    mirror_images: bool = False  # mirror frames left-right (LIBERO-trained OpenVLA/OFT: raw frame rotated 180 deg)
-    # JPEG round trip + lanczos3 resize to this size first (their RLDS data: 224)
-    dataset_resize: int | None = ranged(None, 1)
-    # keep this central fraction of the area, resized back (random-crop training: 0.9)
-    center_crop: float | None = ranged(None, 0, 1, above=True)
-    gripper: str = "none"  # the last action dim: none | libero ([0, 1] -> [-1, 1], binarise, invert)
-    # the camera images the checkpoint was trained on: their size (env.image_size) and LIBERO rendering
-    # (env.rendering). A public-checkpoint config sets both, and the env settings its authors use; a run whose
-    # env renders other images is refused, not resized behind the user's back. None: any
-    camera_size: int | None = ranged(None, 8)
-    camera_rendering: str | None = None
 
 
 @dataclass
@@ -308,6 +264,12 @@ def group_option(group: str, option: str) -> dict[str, DictConfig]:
 
 def unknown_key_error(dotted: str) -> UserError:
     """'algorithm.lrr' -> "Unknown config key 'algorithm.lrr'. Did you mean 'algorithm.lr'? ..."."""
+    moved = moved_policy_key(dotted)
+    if moved:
+        return UserError(f"Config key '{dotted}' is now '{moved}': the policy's keys are in one section per family "
+                         "(policy.net: mlp, cnn, mlp_tokens; policy.vla: openvla, openvla_oft, qwen_vl; "
+                         "embodied/policy_config.py). Write the override or yaml key as "
+                         f"{moved}=... (a saved run's config is upgraded when loaded).")
     node = OmegaConf.structured(TrainConfig)
     known_path: list[str] = []
     for part in dotted.split("."):
@@ -344,7 +306,7 @@ def _override_error(err: Exception, overrides: list[str]) -> UserError:
 
 
 def _schema_override(override: str, schema: DictConfig) -> str:
-    """``policy.gripper=libero`` -> ``++policy.gripper=libero`` when the schema has the key: a group's
+    """``policy.vla.gripper=libero`` -> ``++policy.vla.gripper=libero`` when the schema has the key: a group's
     yaml file need not spell every key of its dataclass for the key to be set from the command line."""
     key, sep, _ = override.partition("=")
     if not sep or "." not in key or key[0] in "+~":
@@ -395,4 +357,5 @@ def to_yaml(cfg: TrainConfig) -> str:
 
 
 def load_yaml(path: Path) -> TrainConfig:
-    return validate(OmegaConf.load(path))
+    """A saved config.yaml (one written before the policy sections too: :func:`upgrade_saved_policy`)."""
+    return validate(upgrade_saved_policy(OmegaConf.load(path)))

@@ -33,16 +33,14 @@ def ranged(default, low: float | None = None, high: float | None = None, *, abov
     return field(default=default, metadata={"range": Range(low, high, above)})
 
 
-def check_ranges(cfg) -> None:
-    """A UserError for the first numeric key of ``cfg`` (a ``TrainConfig``) outside its range (its ``ranged``
-    fields)."""
-    for section in fields(cfg):
-        part = getattr(cfg, section.name)
-        if not is_dataclass(part):
-            continue
-        for key in fields(part):
-            allowed, value = key.metadata.get("range"), getattr(part, key.name)
-            if allowed is not None and value is not None and not allowed.holds(value):
-                raise UserError(f"{section.name}.{key.name}={value} is out of range: it must be {allowed.describe()} "
-                                f"({type(part).__name__} in embodied/config.py says what it means). Fix the "
-                                "override or the yaml file that sets it.")
+def check_ranges(cfg, prefix: str = "") -> None:
+    """A UserError for the first numeric key of ``cfg`` (a ``TrainConfig``, or a section of one under
+    ``prefix``) outside its range (its ``ranged`` fields), in nested sections too (``policy.vla``)."""
+    for key in fields(cfg):
+        allowed, value = key.metadata.get("range"), getattr(cfg, key.name)
+        if is_dataclass(value):
+            check_ranges(value, f"{prefix}{key.name}.")
+        elif allowed is not None and value is not None and not allowed.holds(value):
+            raise UserError(f"{prefix}{key.name}={value} is out of range: it must be {allowed.describe()} "
+                            f"({type(cfg).__name__} in embodied/config.py or embodied/policy_config.py says "
+                            "what it means). Fix the override or the yaml file that sets it.")

@@ -1,6 +1,6 @@
 """What an evaluation evaluated, written beside its results so that they can be audited later.
 
-``eval.json``'s ``provenance``: the policy (its name, ``policy.model_path`` and a digest of the
+``eval.json``'s ``provenance``: the policy (its name, ``policy.vla.model_path`` and a digest of the
 weight files there, or the checkpoint evaluated and its digest), the settings that change what the
 policy sees and does (cameras, the checkpoint family's frame and action steps, the normalisation,
 the env's render size, the protocol's trial count), the code (git commit, and whether the tree
@@ -66,15 +66,15 @@ def versions() -> dict[str, str]:
 
 def provenance(cfg, checkpoint: Path | None) -> dict:
     """What ``cfg`` evaluates (with ``checkpoint``, a run's weights, if given), for ``eval.json``."""
-    policy = cfg.policy
+    policy, vla = cfg.policy, cfg.policy.vla
     weights = {"checkpoint": str(checkpoint) if checkpoint else None,
                "checkpoint_sha256": digest([checkpoint]) if checkpoint else None,
-               "model_path": policy.model_path,
-               "model_sha256": digest(model_files(policy.model_path)) if policy.model_path else None}
-    settings = {"policy": policy.name, "dtype": policy.dtype, "cameras": list(policy.cameras),
-                "mirror_images": policy.mirror_images, "dataset_resize": policy.dataset_resize,
-                "center_crop": policy.center_crop, "gripper": policy.gripper, "normalization": policy.normalization,
-                "unnorm_key": policy.unnorm_key, "chunk_size": policy.chunk_size, "proprio": policy.proprio,
+               "model_path": vla.model_path,
+               "model_sha256": digest(model_files(vla.model_path)) if vla.model_path else None}
+    settings = {"policy": policy.name, "dtype": vla.dtype, "cameras": list(vla.cameras),
+                "mirror_images": vla.mirror_images, "dataset_resize": vla.dataset_resize,
+                "center_crop": vla.center_crop, "gripper": vla.gripper, "normalization": vla.normalization,
+                "unnorm_key": vla.unnorm_key, "chunk_size": policy.chunk_size, "proprio": vla.proprio,
                 "env": cfg.env.task, "env_image_size": cfg.env.image_size, "rendering": cfg.env.rendering,
                 "obs_mode": cfg.env.obs_mode,
                 "episodes": cfg.eval.episodes, "trials_per_task": cfg.eval.trials_per_task, "tasks": cfg.eval.tasks,

@@ -40,6 +40,9 @@ class Policy(nn.Module):
     What the trainer reads off the class, instead of probing with ``hasattr``:
     """
 
+    # the family's config sections (policy.net, policy.vla, ...: embodied/policy_config.py): the policy reads
+    # policy.name, chunk_size, temperature and these; setting keys of a section it does not read is refused
+    config_sections: tuple[str, ...] = ("net",)
     chunks: bool = False  # can act in chunks (policy.chunk_size > 1)
     trainable: bool = True  # False: a baseline for `embodied eval` only (policy=random)
     token_actions: bool = False  # emits action tokens (bin_distributions)
@@ -154,7 +157,7 @@ def layer_init(layer: nn.Linear | nn.Conv2d, gain: float = math.sqrt(2)) -> nn.M
 def mlp(sizes: list[int], activation: str, out_gain: float | None = None) -> nn.Sequential:
     """Linear layers of ``sizes`` with activations between; last layer gets ``out_gain``."""
     if activation not in ACTIVATIONS:
-        raise unknown_name_error("activation (policy.activation)", activation, list(ACTIVATIONS))
+        raise unknown_name_error("activation (policy.net.activation)", activation, list(ACTIVATIONS))
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         last = i == len(sizes) - 2

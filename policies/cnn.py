@@ -46,20 +46,20 @@ class CNNActorCritic(GaussianActorCritic):
     """Image (+ state) encoder shared by actor and critic heads."""
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
-        super().__init__(action_dim, cfg.log_std_init)
+        super().__init__(action_dim, cfg.net.log_std_init)
         if "rgb" not in obs_spec:
             raise UserError("policy=cnn needs image observations: use an env with obs_mode: rgb "
                             "(e.g. env=maniskill_pushcube_rgb), or policy=mlp for state observations.")
         h, w, c = obs_spec["rgb"][0]
-        self.encoder = ConvEncoder(c, (h, w), list(cfg.cnn_channels), cfg.feature_dim)
-        feat = cfg.feature_dim
+        self.encoder = ConvEncoder(c, (h, w), list(cfg.net.cnn_channels), cfg.net.feature_dim)
+        feat = cfg.net.feature_dim
         self.state_dim = vector_dim(obs_spec)
         if self.state_dim:
-            self.state_encoder = mlp([self.state_dim, feat], cfg.activation)
+            self.state_encoder = mlp([self.state_dim, feat], cfg.net.activation)
             feat += feat
-        hidden = list(cfg.hidden_sizes)
-        self.actor = mlp([feat, *hidden, action_dim], cfg.activation, out_gain=0.01 * 2**0.5)
-        self.critic = mlp([feat, *hidden, 1], cfg.activation, out_gain=1.0)
+        hidden = list(cfg.net.hidden_sizes)
+        self.actor = mlp([feat, *hidden, action_dim], cfg.net.activation, out_gain=0.01 * 2**0.5)
+        self.critic = mlp([feat, *hidden, 1], cfg.net.activation, out_gain=1.0)
 
     def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         feats = self.encoder(obs["rgb"])

@@ -22,7 +22,7 @@ class RandomPolicy(GaussianActorCritic):
     critic_modules = ()
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
-        super().__init__(action_dim, cfg.log_std_init)  # log_std: an unused parameter, so weight sync has one
+        super().__init__(action_dim, cfg.net.log_std_init)  # log_std: an unused parameter, so weight sync has one
 
     @staticmethod
     def _batch(obs: dict[str, torch.Tensor]) -> int:

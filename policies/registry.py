@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass
+
 from envs.common import UserError
 from policies.base import POLICIES
 from policies.vla.checkpoint import check_normalization
@@ -30,16 +32,42 @@ def check_policy_config(policy_cfg, action_dim: int | None = None) -> list[str]:
     ``action_dim``: the env's, where known without building it (``envs.registry.env_action_dim``).
     Returns the lines the run log shows about what was chosen (e.g. which statistics normalise actions)."""
     check_policy_name(policy_cfg.name)
-    check_normalization(policy_cfg.normalization)
+    _check_only_its_section_is_set(policy_cfg)
+    check_normalization(policy_cfg.vla.normalization)
     if policy_cfg.chunk_size < 1 or (policy_cfg.chunk_size > 1 and not POLICIES.get(policy_cfg.name).chunks):
         raise UserError(f"policy.chunk_size={policy_cfg.chunk_size} is not possible for policy={policy_cfg.name}: "
                         "action chunks (chunk_size > 1) are for VLA policies (openvla, openvla_oft, qwen_vl); "
                         "others take chunk_size=1.")
-    if policy_cfg.model_path:
+    if policy_cfg.vla.model_path:
         from policies.vla.policy import require_model_dir
 
-        require_model_dir(policy_cfg.model_path, "the model")
+        require_model_dir(policy_cfg.vla.model_path, "the model")
     return POLICIES.get(policy_cfg.name).check_config(policy_cfg, action_dim)
+
+
+def _settings_outside(policy_cfg, sections: tuple[str, ...]) -> list[str]:
+    """``policy.<other>.<key>=<value>`` for each key of another family's section set to other than its default."""
+    found = []
+    for part in fields(policy_cfg):
+        value = getattr(policy_cfg, part.name)
+        if part.name in sections or not is_dataclass(value):
+            continue
+        default = type(value)()
+        found += [f"policy.{part.name}.{key.name}={getattr(value, key.name)}" for key in fields(value)
+                  if getattr(value, key.name) != getattr(default, key.name)]
+    return found
+
+
+def _check_only_its_section_is_set(policy_cfg) -> None:
+    """A UserError for settings in a section the chosen policy does not read (``policy=mlp
+    policy.vla.lora_rank=8``): a typo'd family or a forgotten override, never a silent no-op."""
+    sections = POLICIES.get(policy_cfg.name).config_sections
+    stray = _settings_outside(policy_cfg, sections)
+    if stray:
+        reads = " and ".join(f"policy.{s}" for s in sections)
+        raise UserError(f"{', '.join(stray)}: policy={policy_cfg.name} reads {reads} (and policy.name, "
+                        "chunk_size, temperature), not these. Remove them, or pick the policy family they are "
+                        "for (policy.net: mlp, cnn, mlp_tokens; policy.vla: openvla, openvla_oft, qwen_vl).")
 
 
 def check_policy_observations(policy_cfg, obs_spec: dict, action_dim: int) -> None:

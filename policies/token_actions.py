@@ -41,7 +41,7 @@ class TokenActionPolicy(Policy):
 
     def _setup_actions(self, cfg, action_dim: int, actions: ActionTokenizer) -> None:
         """The action tokens and how they are sampled: ``policy.chunk_size``, ``temperature`` and
-        the checkpoint family's action post-processing (``policy.gripper``)."""
+        the checkpoint family's action post-processing (``policy.vla.gripper``)."""
         self.action_dim, self._action_tokenizer = action_dim, actions
         # the q01 / q99 statistics travel with the weights (checkpoints, weight syncs): SFT sets them
         self.register_buffer("action_stats", actions.stats.as_tensor())

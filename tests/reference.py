@@ -41,11 +41,11 @@ def inputs() -> dict[str, np.ndarray]:
 
 def load_policy(config: str, model: str, *overrides: str, obs_spec: dict | None = None, action_dim: int = 7,
                 unnorm_key: str = "libero_spatial_no_noops"):
-    """``policy=<config> policy.model_path=assets/reference/<model>`` in float32, as a user loads it."""
+    """``policy=<config> policy.vla.model_path=assets/reference/<model>`` in float32, as a user loads it."""
     from policies.registry import make_policy
 
-    cfg = compose([f"policy={config}", f"policy.model_path={ASSETS / model}", "policy.dtype=float32",
-                   "policy.lora_rank=0", f"policy.unnorm_key={unnorm_key}", *overrides]).policy
+    cfg = compose([f"policy={config}", f"policy.vla.model_path={ASSETS / model}", "policy.vla.dtype=float32",
+                   "policy.vla.lora_rank=0", f"policy.vla.unnorm_key={unnorm_key}", *overrides]).policy
     return make_policy(cfg, obs_spec or OBS_SPEC, action_dim).eval()
 
 

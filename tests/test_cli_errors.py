@@ -58,7 +58,7 @@ CASES = {
     "fast rendering for a public checkpoint": (["eval", "env=libero_spatial", "policy=openvla_7b_libero",
                                                 "env.rendering=fast"],
                                                ["env.rendering=fast", "env.rendering=reference",
-                                                "policy.camera_rendering=null"]),
+                                                "policy.vla.camera_rendering=null"]),
     "config file not there": (["train", "--config", "/nonexistent/my.yaml"], ["/nonexistent/my.yaml", "YAML"]),
     "config file with a misspelled key": (["train", "--config", str(REPO / "tests/data/misspelled.yaml")],
                                           ["algorithm.lrr", "Did you mean 'algorithm.lr'"]),
@@ -71,7 +71,7 @@ CASES = {
     "no envs on LIBERO": (["eval", "env=libero_spatial", "env.num_envs=0"], ["env.num_envs=0", ">= 1"]),
     "no evaluation episodes": (["eval", "eval.episodes=0"], ["eval.episodes=0", ">= 1"]),
     "tiny VLA images smaller than a patch": (["train", "env=maniskill_pushcube_rgb", "policy=openvla_tiny",
-                                              "policy.image_size=4"], ["policy.image_size=4", "8 px"]),
+                                              "policy.vla.image_size=4"], ["policy.vla.image_size=4", "8 px"]),
     "VLA checkpoint not there": (["train", "env=maniskill_pushcube_rgb", "policy=openvla_7b_lora"],
                                  ["checkpoints/openvla-7b", "huggingface-cli download"]),
     "SFT of a policy without tokens": (["sft", "policy=mlp", "sft.demos=1", "sft.demos_dir=/tmp/embodied-test-demos"],
@@ -176,8 +176,8 @@ def _drop_bounds(stats: dict) -> None:
             stats[key]["action"].pop(field)
 
 
-LIBERO_OPENVLA = ["env=libero_spatial", "policy=openvla_7b_libero", "policy.unnorm_key=libero_spatial_no_noops"]
-LIBERO_OFT = ["env=libero_spatial", "policy=openvla_oft_7b_libero", "policy.unnorm_key=libero_spatial_no_noops"]
+LIBERO_OPENVLA = ["env=libero_spatial", "policy=openvla_7b_libero", "policy.vla.unnorm_key=libero_spatial_no_noops"]
+LIBERO_OFT = ["env=libero_spatial", "policy=openvla_oft_7b_libero", "policy.vla.unnorm_key=libero_spatial_no_noops"]
 CHECKPOINT_CASES = {
     # (command, the fixture, an edit of a copy of it or None, overrides, words the message must have)
     "checkpoint missing a file": ("eval", "openvla_tiny", _delete("model.safetensors"), LIBERO_OPENVLA,
@@ -214,32 +214,34 @@ CHECKPOINT_CASES = {
         LIBERO_OFT, ["vision_backbone--100_checkpoint.pt", "FiLM"]),
     "bounds normalisation without min / max": (
         "eval", "openvla_oft_l1_tiny", _edit_json("dataset_statistics.json", _drop_bounds),
-        [*LIBERO_OFT, "policy.normalization=bounds"], ["has no ['min', 'max']", "policy.normalization"]),
-    "bounds normalisation for OpenVLA": ("eval", "openvla_tiny", None, [*LIBERO_OPENVLA, "policy.normalization=bounds"],
+        [*LIBERO_OFT, "policy.vla.normalization=bounds"], ["has no ['min', 'max']", "policy.vla.normalization"]),
+    "bounds normalisation for OpenVLA": ("eval", "openvla_tiny", None,
+                                         [*LIBERO_OPENVLA, "policy.vla.normalization=bounds"],
                                          ["q01 / q99 only", "openvla_oft"]),
-    "mean / std normalisation": ("eval", "openvla_oft_l1_tiny", None, [*LIBERO_OFT, "policy.normalization=normal"],
+    "mean / std normalisation": ("eval", "openvla_oft_l1_tiny", None, [*LIBERO_OFT, "policy.vla.normalization=normal"],
                                  ["Unsupported action/proprio normalization", "bounds_q99"]),
     "ALOHA checkpoint on LIBERO": (
         "eval", "openvla_oft_aloha_tiny", None, ["env=libero_spatial", "policy=openvla_oft_7b_aloha",
-                                                 "policy.unnorm_key=aloha1_put_x_into_pot_300_demos"],
+                                                 "policy.vla.unnorm_key=aloha1_put_x_into_pot_300_demos"],
         ["14-dim actions", "7-dim"]),
     "an image size other than the checkpoint's": ("eval", "openvla_tiny", None, [*LIBERO_OPENVLA,
-                                                  "policy.image_size=100"], ["policy.image_size=100", "224 px"]),
+                                                  "policy.vla.image_size=100"],
+                                                  ["policy.vla.image_size=100", "224 px"]),
     "a camera the env does not render": ("eval", "openvla_oft_l1_tiny", None, [*LIBERO_OFT,
-                                          "policy.cameras=[rgb,left_wrist_rgb]"], ["left_wrist_rgb", "wrist_rgb"]),
+                                          "policy.vla.cameras=[rgb,left_wrist_rgb]"], ["left_wrist_rgb", "wrist_rgb"]),
     # an unnorm_key the statistics lack, or statistics of another action size: the same path, tested in-process
     # (tests/test_reference_parity.py::test_checkpoint_statistics_are_checked_before_any_worker_starts)
 }
 
 
 def _checkpoint_case(name: str, tmp_path: Path) -> list[str]:
-    """The case's command line, with a (copied and edited) fixture as ``policy.model_path``."""
+    """The case's command line, with a (copied and edited) fixture as ``policy.vla.model_path``."""
     command, fixture, edit, overrides, _ = CHECKPOINT_CASES[name]
     model = ASSETS / fixture
     if edit:
         model = Path(shutil.copytree(model, tmp_path / fixture))
         edit(model)
-    return [command, f"policy.model_path={model}", "policy.dtype=float32", *overrides]
+    return [command, f"policy.vla.model_path={model}", "policy.vla.dtype=float32", *overrides]
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINT_CASES))
@@ -265,10 +267,10 @@ def test_bad_input_found_in_a_worker_is_a_config_error_not_a_crash():
 
     report = ("The actor died because of an error raised in its creation task, ray::ActorWorker.__init__() "
               "(pid=1, ip=1.2.3.4)\n  File \"policies/vla/oft.py\", line 1, in __init__\n"
-              "envs.common.UserError: policy.proprio=true needs a `state` observation; this env has none.")
+              "envs.common.UserError: policy.vla.proprio=true needs a `state` observation; this env has none.")
     message, code = _explain_failed_start(report)
-    assert code == EXIT_USER_ERROR and message.startswith("policy.proprio=true") and "check-render" not in message
-    crash = report.replace("envs.common.UserError: policy.proprio", "RuntimeError: CUDA out of memory")
+    assert code == EXIT_USER_ERROR and message.startswith("policy.vla.proprio=true") and "check-render" not in message
+    crash = report.replace("envs.common.UserError: policy.vla.proprio", "RuntimeError: CUDA out of memory")
     message, code = _explain_failed_start(crash)
     assert code == EXIT_ENV_CRASH and "check-render" not in message and "the policy on its own" in message
     message, _ = _explain_failed_start(crash.replace("ActorWorker", "EnvWorker"))
@@ -279,11 +281,12 @@ LIBERO_OBS = {"rgb": ((224, 224, 3), "uint8"), "wrist_rgb": ((224, 224, 3), "uin
 
 
 @pytest.mark.parametrize("overrides, words", [
-    ([*LIBERO_OFT, f"policy.model_path={ASSETS / 'openvla_oft_l1_tiny'}", "policy.cameras=[rgb,left_wrist_rgb]"],
+    ([*LIBERO_OFT, f"policy.vla.model_path={ASSETS / 'openvla_oft_l1_tiny'}",
+      "policy.vla.cameras=[rgb,left_wrist_rgb]"],
      ["left_wrist_rgb", "wrist_rgb"]),
-    ([*LIBERO_OFT, f"policy.model_path={ASSETS / 'openvla_oft_aloha_tiny'}", "policy.cameras=[rgb]",
-      "policy.unnorm_key=aloha1_put_x_into_pot_300_demos", "policy.normalization=bounds"],
-     ["state is 8-dim", "14-dim", "policy.proprio=false"]),
+    ([*LIBERO_OFT, f"policy.vla.model_path={ASSETS / 'openvla_oft_aloha_tiny'}", "policy.vla.cameras=[rgb]",
+      "policy.vla.unnorm_key=aloha1_put_x_into_pot_300_demos", "policy.vla.normalization=bounds"],
+     ["state is 8-dim", "14-dim", "policy.vla.proprio=false"]),
 ], ids=["a camera the env lacks", "proprio of another size"])
 def test_policy_is_checked_against_the_envs_observations_before_policy_workers_start(overrides, words):
     """What ``Workers`` checks once the env workers report their observations (LIBERO's here)."""

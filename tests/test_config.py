@@ -4,6 +4,7 @@ yaml option holds only how it differs from them."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from omegaconf import OmegaConf
@@ -24,6 +25,17 @@ def test_train_yaml_only_picks_the_group_options():
     assert not extra, f"train.yaml sets {extra}: defaults belong in embodied/config.py"
 
 
+def _unknown_and_repeated(raw: dict, defaults: dict, where: str) -> tuple[list[str], list[str]]:
+    """Keys of ``raw`` the schema lacks, and keys set to their default, in nested sections too (``policy.vla``)."""
+    unknown = [f"{where}.{k}" for k in raw if k not in defaults]
+    same = [f"{where}.{k}" for k, v in raw.items() if k in defaults and not isinstance(v, dict) and v == defaults[k]]
+    for key, value in raw.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            more_unknown, more_same = _unknown_and_repeated(value, defaults[key], f"{where}.{key}")
+            unknown, same = unknown + more_unknown, same + more_same
+    return unknown, same
+
+
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_a_group_option_only_holds_its_differences_from_the_defaults(group, option):
     """Of every section it sets (a ``_global_`` policy config also sets the env its checkpoint needs)."""
@@ -31,27 +43,22 @@ def test_a_group_option_only_holds_its_differences_from_the_defaults(group, opti
     assert group in sections, f"{group}/{option}.yaml does not set its own section"
     for section, settings in sections.items():
         raw = OmegaConf.to_container(settings)
-        defaults = dataclasses.asdict(getattr(TrainConfig(), section))
-        unknown = sorted(set(raw) - set(defaults))
-        assert not unknown, f"{group}/{option}.yaml sets {section} keys the schema lacks: {unknown}"
-        same = sorted(k for k, v in raw.items() if v == defaults[k])
-        assert not same, (f"{group}/{option}.yaml repeats the {section} defaults of {same}: drop them "
-                          "(embodied/config.py has them)")
+        unknown, same = _unknown_and_repeated(raw, dataclasses.asdict(getattr(TrainConfig(), section)), section)
+        assert not unknown, f"{group}/{option}.yaml sets keys the schema lacks: {unknown}"
+        assert not same, (f"{group}/{option}.yaml repeats the defaults of {same}: drop them "
+                          "(embodied/config.py and embodied/policy_config.py have them)")
 
 
-def _numeric_keys() -> list[tuple[str, object]]:
-    """Every int / float key of the schema as (dotted key, its Range or None)."""
-    from dataclasses import fields
-
-    from embodied.config import TrainConfig
-
+def _numeric_keys(schema=TrainConfig, prefix: str = "") -> list[tuple[str, object]]:
+    """Every int / float key of the schema as (dotted key, its Range or None), in nested sections too."""
     keys = []
-    for section in fields(TrainConfig):
-        if section.name in ("checkpoint", "resume"):
+    for key in dataclasses.fields(schema):
+        if key.name in ("checkpoint", "resume"):
             continue
-        for key in fields(section.default_factory()):
-            if key.type.split(" |")[0] in ("int", "float"):
-                keys.append((f"{section.name}.{key.name}", key.metadata.get("range")))
+        if key.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(key.default_factory()):
+            keys += _numeric_keys(type(key.default_factory()), f"{prefix}{key.name}.")
+        elif key.type.split(" |")[0] in ("int", "float"):
+            keys.append((f"{prefix}{key.name}", key.metadata.get("range")))
     return keys
 
 
@@ -69,8 +76,11 @@ def test_a_numeric_key_outside_its_range_is_refused_and_its_bounds_are_not(key, 
 
     def with_value(value) -> TrainConfig:
         cfg = TrainConfig()
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
+        *sections, name = key.split(".")
+        part = cfg
+        for section in sections:
+            part = getattr(part, section)
+        setattr(part, name, value)
         return cfg
 
     if allowed.low is not None:
@@ -132,3 +142,51 @@ def test_a_former_constant_is_a_key_with_its_old_default(key, default, value, ba
     assert getattr(getattr(compose([f"{key}={value}"]), section), name) == pytest.approx(float(value))
     with pytest.raises(UserError, match=f"{key}={bad}.* is out of range"):
         compose([f"{key}={bad}"])
+
+
+# the policy section: shared keys, then one section per family (embodied/policy_config.py)
+def test_a_policy_key_in_its_former_flat_place_is_refused_naming_its_section():
+    with pytest.raises(UserError, match=r"'policy.model_path' is now 'policy.vla.model_path'"):
+        compose(["policy.model_path=checkpoints/x"])
+    with pytest.raises(UserError, match=r"'policy.hidden_sizes' is now 'policy.net.hidden_sizes'"):
+        compose(["policy.hidden_sizes=[64]"])
+    assert compose(["policy.net.hidden_sizes=[64]"]).policy.net.hidden_sizes == [64]
+
+
+def test_a_config_saved_with_flat_policy_keys_loads_into_the_sections(tmp_path):
+    """Run directories and checkpoints written before the sections still evaluate and resume."""
+    from embodied.commands.common import config_from_saved
+    from embodied.config import load_yaml
+
+    flat = OmegaConf.to_container(OmegaConf.structured(TrainConfig()))
+    flat["policy"] = {"name": "openvla", "chunk_size": 2, "model_path": "checkpoints/x", "lora_rank": 4,
+                      "hidden_sizes": [32]}
+    saved = OmegaConf.to_yaml(OmegaConf.create(flat))
+    cfg = config_from_saved(saved, ["policy.vla.dtype=bfloat16"])
+    assert (cfg.policy.name, cfg.policy.chunk_size) == ("openvla", 2)
+    vla = cfg.policy.vla
+    assert (vla.model_path, vla.lora_rank, vla.dtype) == ("checkpoints/x", 4, "bfloat16")
+    assert cfg.policy.net.hidden_sizes == [32]
+    (tmp_path / "config.yaml").write_text(saved)
+    assert load_yaml(tmp_path / "config.yaml").policy.vla.model_path == "checkpoints/x"
+
+
+@pytest.mark.parametrize("overrides, stray", [
+    (["policy=mlp", "policy.vla.lora_rank=8"], "policy.vla.lora_rank=8"),
+    (["policy=openvla_tiny", "policy.net.hidden_sizes=[64]"], "policy.net.hidden_sizes=[64]"),
+])
+def test_a_key_of_another_familys_section_is_refused(overrides, stray):
+    from policies.registry import check_policy_config
+
+    with pytest.raises(UserError, match=rf"{re.escape(stray)}: policy=\w+ reads policy\.(net|vla)"):
+        check_policy_config(compose(overrides).policy)
+
+
+def test_each_family_reads_its_own_section():
+    from policies.base import POLICIES
+    from policies.registry import check_policy_name
+
+    check_policy_name("mlp")  # imports every policy module
+    sections = {name: cls.config_sections for name, cls in POLICIES.items()}
+    assert {n for n, s in sections.items() if "vla" in s} == {"openvla", "openvla_oft", "qwen_vl"}
+    assert {s for names in sections.values() for s in names} == {"net", "vla"}

@@ -116,8 +116,8 @@ def test_eval_of_a_public_checkpoint_config_shows_the_policy_robosuites_default_
     from envs.libero import NOOP_ACTION, suite_tasks
 
     fixture = REPO / "assets" / "reference" / "openvla_oft_l1_tiny"
-    cfg = compose(["env=libero_spatial", "policy=openvla_oft_7b_libero", f"policy.model_path={fixture}",
-                   "policy.dtype=float32", "policy.unnorm_key=libero_spatial_no_noops", "env.num_envs=1",
+    cfg = compose(["env=libero_spatial", "policy=openvla_oft_7b_libero", f"policy.vla.model_path={fixture}",
+                   "policy.vla.dtype=float32", "policy.vla.unnorm_key=libero_spatial_no_noops", "env.num_envs=1",
                    "placement.env_workers=1", "env.max_episode_steps=8", "runner.progress=false"])
     assert (cfg.env.image_size, cfg.env.rendering) == (256, "reference")  # what the public config sets
     seed = episode_seed(0, 2)

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from embodied.config import PolicyConfig
+from embodied.policy_config import NetConfig, PolicyConfig
 from policies.registry import make_policy
 from scheduler.runtime.offload import DeviceState
 from tests.conftest import assert_identical
@@ -15,7 +15,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def _trained_policy(device: str, seed: int = 0):
     torch.manual_seed(seed)
-    policy = make_policy(PolicyConfig(hidden_sizes=[64, 64]), {"state": ((10,), "float32")}, 3).to(device)
+    cfg = PolicyConfig(net=NetConfig(hidden_sizes=[64, 64]))
+    policy = make_policy(cfg, {"state": ((10,), "float32")}, 3).to(device)
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
     _adam_step(policy, optimizer, seed)
     return policy, optimizer
@@ -70,7 +71,8 @@ def test_training_continues_identically_after_a_round_trip(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_offload_frees_device_memory():
     torch.manual_seed(0)
-    policy = make_policy(PolicyConfig(hidden_sizes=[1024, 1024]), {"state": ((256,), "float32")}, 8).cuda()
+    cfg = PolicyConfig(net=NetConfig(hidden_sizes=[1024, 1024]))
+    policy = make_policy(cfg, {"state": ((256,), "float32")}, 8).cuda()
     optimizer = torch.optim.Adam(policy.parameters())
     _adam_step_big = torch.randn(64, 256, device="cuda")
     policy.value({"state": _adam_step_big}).sum().backward()

@@ -55,7 +55,7 @@ def test_cnn_rejects_state_only_envs():
 
 
 def test_gaussian_token_head_acts_like_a_gaussian_policy_on_the_bins():
-    """policy.token_head=gaussian: the greedy action is the bin nearest the mean, and sampled bins
+    """policy.net.token_head=gaussian: the greedy action is the bin nearest the mean, and sampled bins
     follow the Gaussian truncated to the [-1, 1] bins (std exp(log_std_init) = 0.61)."""
     policy = make_policy(compose(["policy=mlp_tokens"]).policy, STATE_SPEC, 8)
     with torch.no_grad():

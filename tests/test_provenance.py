@@ -28,7 +28,7 @@ def test_the_weights_digest_names_the_bytes_not_the_place(tmp_path):
 
 
 def test_provenance_names_the_model_and_the_settings_that_change_what_it_sees():
-    cfg = compose(["env=libero_spatial", "policy=openvla_oft_7b_libero", f"policy.model_path={FIXTURE}",
+    cfg = compose(["env=libero_spatial", "policy=openvla_oft_7b_libero", f"policy.vla.model_path={FIXTURE}",
                    "eval.trials_per_task=7"])
     what = provenance(cfg, None)
     assert what["weights"]["model_path"] == str(FIXTURE) and len(what["weights"]["model_sha256"]) == 64

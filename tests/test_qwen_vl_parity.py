@@ -42,7 +42,7 @@ def _policy(*overrides: str, frame: tuple[int, int] = FRAME) -> QwenVLPolicy:
 
 @pytest.fixture(scope="module")
 def policy() -> QwenVLPolicy:
-    return _policy("policy.image_size=112")
+    return _policy("policy.vla.image_size=112")
 
 
 def _frames() -> np.ndarray:
@@ -186,10 +186,10 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("image_size", [224, 112])
 def test_qwen_vl_image_processing_follows_the_checkpoints_preprocessor_config(checkpoint, image_size):
-    """policy.model_path's min / max pixels, resample, mean / std are used; ``policy.image_size ** 2``
+    """policy.vla.model_path's min / max pixels, resample, mean / std are used; ``policy.vla.image_size ** 2``
     only caps the pixel count further (224 ** 2: the checkpoint's max binds; 112 ** 2: the cap)."""
     rgb = _real_frames()["gradient_180x240"]
-    policy = _policy(f"policy.model_path={checkpoint}", f"policy.image_size={image_size}", frame=rgb.shape[1:3])
+    policy = _policy(f"policy.vla.model_path={checkpoint}", f"policy.vla.image_size={image_size}", frame=rgb.shape[1:3])
     settings = {k: v for k, v in CHECKPOINT_PROCESSOR.items()
                 if not k.endswith("_class") and k != "image_processor_type"}
     settings["max_pixels"] = min(settings["max_pixels"], image_size ** 2)

@@ -15,10 +15,10 @@ from tests.conftest import REPO
 RECIPES = sorted((REPO / "docs" / "recipes").glob("*.yaml"))
 # per recipe: what stands in for its checkpoint (the tiny checkpoint stores two datasets' statistics)
 STAND_INS = {
-    "libero_grpo_simplevla": ["policy.model_path=assets/reference/openvla_oft_token_tiny",
-                              "policy.unnorm_key=libero_spatial_no_noops"],
-    "libero_ppo_rlinf": ["policy.model_path=assets/reference/openvla_oft_token_tiny",
-                         "policy.unnorm_key=libero_spatial_no_noops"],
+    "libero_grpo_simplevla": ["policy.vla.model_path=assets/reference/openvla_oft_token_tiny",
+                              "policy.vla.unnorm_key=libero_spatial_no_noops"],
+    "libero_ppo_rlinf": ["policy.vla.model_path=assets/reference/openvla_oft_token_tiny",
+                         "policy.vla.unnorm_key=libero_spatial_no_noops"],
 }
 
 
@@ -38,6 +38,6 @@ def test_the_libero_recipes_train_what_their_authors_train():
     grpo = compose(file_overrides(REPO / "docs/recipes/libero_grpo_simplevla.yaml"))
     assert (grpo.env.task, grpo.algorithm.advantage, grpo.algorithm.group_size) == ("libero_10", "grpo", 8)
     ppo = compose(file_overrides(REPO / "docs/recipes/libero_ppo_rlinf.yaml"))
-    assert (ppo.env.task, ppo.algorithm.advantage, ppo.policy.stop_token) == ("libero_130", "gae", False)
+    assert (ppo.env.task, ppo.algorithm.advantage, ppo.policy.vla.stop_token) == ("libero_130", "gae", False)
     for cfg in (grpo, ppo):  # the checkpoints' authors' camera: 256 px, robosuite's default rendering
         assert (cfg.env.image_size, cfg.env.rendering) == (256, "reference")

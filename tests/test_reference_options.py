@@ -137,7 +137,7 @@ def test_the_wrong_normalisation_is_a_different_policy(aloha):
     differently (the statistics must be read the way the checkpoint was trained)."""
     _, ref = aloha
     spec = {camera: ((224, 224, 3), np.uint8) for camera in ALOHA_CAMERAS} | {"state": ((14,), np.float32)}
-    q99 = load_policy("openvla_oft_7b_aloha", "openvla_oft_aloha_tiny", "policy.normalization=bounds_q99",
+    q99 = load_policy("openvla_oft_7b_aloha", "openvla_oft_aloha_tiny", "policy.vla.normalization=bounds_q99",
                       obs_spec=spec, action_dim=14, unnorm_key="aloha1_put_x_into_pot_300_demos")
     q99.adapter = type(q99.adapter)()
     case = "aloha_libero_frames"
@@ -150,7 +150,7 @@ def test_the_wrong_normalisation_is_a_different_policy(aloha):
 # -- OFT with a proprio mask (LIBERO's q01 / q99), one camera -------------------------------------------
 @pytest.fixture(scope="module")
 def proprio_mask():
-    policy = load_policy("openvla_oft_7b_libero", "openvla_oft_proprio_mask_tiny", "policy.cameras=[rgb]")
+    policy = load_policy("openvla_oft_7b_libero", "openvla_oft_proprio_mask_tiny", "policy.vla.cameras=[rgb]")
     return policy, outputs("openvla_oft_proprio_mask_tiny")
 
 

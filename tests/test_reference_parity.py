@@ -4,7 +4,7 @@ assets/reference holds tiny OpenVLA and OpenVLA-OFT (L1 and token) checkpoints i
 on-disk format, built and run by openvla/openvla and moojink/openvla-oft (with moojink's
 bidirectional transformers fork) in a throwaway venv (benchmarks/reference/make_fixtures.sh),
 and what that code computed on real LIBERO and ManiSkill frames. Each test loads a fixture
-directory as a user would (``policy.model_path=<dir>``, the family's config file) and compares:
+directory as a user would (``policy.vla.model_path=<dir>``, the family's config file) and compares:
 the eval script's image steps and processor output, prompt ids, logits (fp32), greedy tokens,
 hidden states, un-normalised actions and what is sent to LIBERO after the gripper steps.
 """
@@ -126,7 +126,7 @@ def test_token_oft_acts_as_upstream_discrete_prediction(oft_token, case):
 def test_token_oft_checkpoint_trains_with_lora_from_the_log_probs_it_sampled_with():
     """RL starts from a token OFT checkpoint: LoRA on it, rollout log-probs equal the update's, and a
     policy-gradient step reaches only the adapters and the value head."""
-    policy = load_policy("openvla_oft_7b_simplevla", "openvla_oft_token_tiny", "policy.lora_rank=4").train()
+    policy = load_policy("openvla_oft_7b_simplevla", "openvla_oft_token_tiny", "policy.vla.lora_rank=4").train()
     inputs = np.load(ASSETS / "inputs.npz")
     frames = [np.stack([inputs["libero_agentview"], inputs["libero_wrist"]])]
     obs = {"rgb": torch.from_numpy(frames[0]), "instruction": torch.from_numpy(
@@ -151,9 +151,9 @@ def test_record_films_an_l1_oft_checkpoint_on_libero(tmp_path):
 
     # 64 px frames for speed: the tiny checkpoint is told it may see other images than the 7B one's
     proc = run_cli("record", "env=libero_spatial", "env.max_episode_steps=16", "env.image_size=64",
-                   "policy=openvla_oft_7b_libero", "policy.camera_size=null",
-                   f"policy.model_path={ASSETS / 'openvla_oft_l1_tiny'}",
-                   "policy.dtype=float32", "policy.unnorm_key=libero_spatial_no_noops", "eval.video_episodes=1",
+                   "policy=openvla_oft_7b_libero", "policy.vla.camera_size=null",
+                   f"policy.vla.model_path={ASSETS / 'openvla_oft_l1_tiny'}",
+                   "policy.vla.dtype=float32", "policy.vla.unnorm_key=libero_spatial_no_noops", "eval.video_episodes=1",
                    f"runner.run_dir={tmp_path}", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (video,) = tmp_path.glob("task_000_episode_0_seed_*.mp4")
@@ -206,8 +206,9 @@ def test_openvla_batch_of_prompts_of_different_lengths_acts_as_each_alone(openvl
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["policy.unnorm_key=libero_goal"], ["libero_goal", "libero_spatial_no_noops"]),
-    (["policy.unnorm_key=bridge_orig", "env=maniskill_pushcube_rgb"], ["7-dim actions", "8-dim", "env.control_mode"]),
+    (["policy.vla.unnorm_key=libero_goal"], ["libero_goal", "libero_spatial_no_noops"]),
+    (["policy.vla.unnorm_key=bridge_orig", "env=maniskill_pushcube_rgb"],
+     ["7-dim actions", "8-dim", "env.control_mode"]),
 ], ids=["unnorm_key not in the statistics", "checkpoint of another action size"])
 def test_checkpoint_statistics_are_checked_before_any_worker_starts(overrides, words):
     """What start_workers checks first (the CLI turns it into one paragraph and exit 2: test_cli_errors.py)."""
@@ -215,7 +216,7 @@ def test_checkpoint_statistics_are_checked_before_any_worker_starts(overrides, w
     from envs.registry import env_action_dim
     from policies.registry import check_policy_config
 
-    cfg = compose(["env=libero_spatial", "policy=openvla_7b_libero", f"policy.model_path={ASSETS / 'openvla_tiny'}",
+    cfg = compose(["env=libero_spatial", "policy=openvla_7b_libero", f"policy.vla.model_path={ASSETS / 'openvla_tiny'}",
                    *overrides])
     with pytest.raises(UserError) as err:
         check_policy_config(cfg.policy, env_action_dim(cfg.env))

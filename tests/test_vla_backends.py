@@ -12,7 +12,7 @@ SPEC = {"rgb": ((64, 64, 3), torch.uint8), "state": ((9,), torch.float32)}
 
 
 def _qwen(*overrides: str, seed: int = 0):
-    cfg = compose(["policy=qwen_vl_tiny", "policy.instruction=push the cube", *overrides]).policy
+    cfg = compose(["policy=qwen_vl_tiny", "policy.vla.instruction=push the cube", *overrides]).policy
     torch.manual_seed(seed)
     return make_policy(cfg, SPEC, 4).eval()
 
@@ -24,7 +24,7 @@ def _obs(batch: int = 4) -> dict:
 
 def test_merged_lora_weights_load_into_a_plain_model_with_the_same_outputs():
     """What vLLM is sent after a LoRA update: checkpoint names, adapters folded into the weights."""
-    lora = _qwen("policy.lora_rank=4")
+    lora = _qwen("policy.vla.lora_rank=4")
     for name, param in lora.named_parameters():
         if "lora_B" in name:  # peft starts B at zero: make the adapters matter
             torch.nn.init.normal_(param, std=0.05)
@@ -42,13 +42,13 @@ def test_merged_lora_weights_load_into_a_plain_model_with_the_same_outputs():
 
 def test_vllm_backend_errors_are_clear(tmp_path):
     with pytest.raises(UserError, match="generation backend"):
-        _qwen("policy.backend=tensorrt")
+        _qwen("policy.vla.backend=tensorrt")
     with pytest.raises(UserError, match="model directory"):  # vLLM loads a saved model
-        _qwen("policy.backend=vllm").act(_obs())
+        _qwen("policy.vla.backend=vllm").act(_obs())
     if not torch.cuda.is_available():
         _qwen().save_pretrained(tmp_path)
         with pytest.raises(UserError, match="CUDA GPU"):
-            _qwen(f"policy.model_path={tmp_path}", "policy.backend=vllm").act(_obs())
+            _qwen(f"policy.vla.model_path={tmp_path}", "policy.vla.backend=vllm").act(_obs())
 
 
 @pytest.mark.gpu
@@ -57,8 +57,8 @@ def test_vllm_generates_action_tokens_scored_like_the_hf_model(tmp_path):
     greedy tokens as the HF model's, and a weight sync reaches the engine."""
     hf = _qwen()
     hf.save_pretrained(tmp_path)
-    policy = _qwen(f"policy.model_path={tmp_path}", "policy.backend=vllm").cuda()
-    reference = _qwen(f"policy.model_path={tmp_path}").cuda()
+    policy = _qwen(f"policy.vla.model_path={tmp_path}", "policy.vla.backend=vllm").cuda()
+    reference = _qwen(f"policy.vla.model_path={tmp_path}").cuda()
     obs = {k: v.cuda() for k, v in _obs(8).items()}
     bins, token_logp, value = policy.act(obs, deterministic=True)
     assert bins.shape == token_logp.shape == (8, 4) and bool(((bins >= 0) & (bins < 256)).all())

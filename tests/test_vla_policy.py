@@ -20,13 +20,13 @@ ACTION_DIM = 4
 
 MODELS = ["openvla_tiny", "openvla_oft_tiny", "qwen_vl_tiny"]
 # every policy on the VLAs' token-action path: the VLAs and the MLP trunk (policies/mlp_tokens.py)
-TOKEN_POLICIES = [*MODELS, "mlp_tokens", "mlp_tokens policy.token_head=logits"]
+TOKEN_POLICIES = [*MODELS, "mlp_tokens", "mlp_tokens policy.net.token_head=logits"]
 
 
 def _policy(model: str, *overrides: str, seed: int = 0):
     """``model``: a policy config's name, optionally followed by overrides of its own."""
     model, *own = model.split()
-    cfg = compose([f"policy={model}", "policy.instruction=push the cube", *own, *overrides]).policy
+    cfg = compose([f"policy={model}", "policy.vla.instruction=push the cube", *own, *overrides]).policy
     torch.manual_seed(seed)
     return make_policy(cfg, SPEC, ACTION_DIM)
 
@@ -104,7 +104,7 @@ def test_greedy_actions_are_each_tokens_mode_and_decode_into_the_box(policy):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_lora_update_changes_only_adapters_and_value_head(model):
-    policy = _policy(model, "policy.lora_rank=4")
+    policy = _policy(model, "policy.vla.lora_rank=4")
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     # the new heads train from scratch: the value head, and OFT's proprio projector
     assert trainable and all("lora_" in n or n.startswith(("value_head", "proprio_projector")) for n in trainable)
@@ -128,7 +128,7 @@ def test_a_saved_model_directory_loads_offline_and_acts_identically(tmp_path, mo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     policy = _policy(model, "policy.chunk_size=1").eval()
     policy.save_pretrained(tmp_path)
-    loaded = _policy(model, f"policy.model_path={tmp_path}", "policy.chunk_size=1", seed=1).eval()
+    loaded = _policy(model, f"policy.vla.model_path={tmp_path}", "policy.chunk_size=1", seed=1).eval()
     loaded.value_head.load_state_dict(policy.value_head.state_dict())
     obs, noise = _obs(), torch.randn(6, ACTION_DIM, generator=torch.Generator().manual_seed(3))
     for a, b in zip(loaded.act(obs, noise=noise), policy.act(obs, noise=noise), strict=True):
@@ -158,16 +158,16 @@ def test_a_checkpoints_norm_stats_unnormalise_its_actions(tmp_path, monkeypatch)
     stats = {"q01": [-0.5, 0.0, 0.0, 0.0], "q99": [0.5, 2.0, 2.0, 2.0], "mask": [True, True, True, False]}
     policy.model.config.norm_stats = {"bridge_orig": {"action": stats}}
     policy.save_pretrained(tmp_path)
-    loaded = _policy("openvla_tiny", f"policy.model_path={tmp_path}")
+    loaded = _policy("openvla_tiny", f"policy.vla.model_path={tmp_path}")
     actions = loaded.to_env(torch.tensor([[0.0, 255.0, 128.0, 0.0], [255.0, 0.0, 0.0, 255.0]]))
     assert -0.5 <= float(actions[:, 0].min()) < -0.49 and 0.49 < float(actions[:, 0].max()) <= 0.5
     assert 1.99 < float(actions[0, 1]) <= 2.0 and 0.99 < float(actions[0, 2]) < 1.01  # bin 128: mid-range
     assert -1.0 <= float(actions[0, 3]) < -0.99  # the unmasked dimension stays in [-1, 1]
     policy.model.config.norm_stats["fractal"] = {"action": stats}
     policy.save_pretrained(tmp_path)
-    with pytest.raises(UserError, match=r"policy.unnorm_key=None: .*\['bridge_orig', 'fractal'\]"):
-        _policy("openvla_tiny", f"policy.model_path={tmp_path}")
-    assert _policy("openvla_tiny", f"policy.model_path={tmp_path}", "policy.unnorm_key=fractal").action_dim == 4
+    with pytest.raises(UserError, match=r"policy.vla.unnorm_key=None: .*\['bridge_orig', 'fractal'\]"):
+        _policy("openvla_tiny", f"policy.vla.model_path={tmp_path}")
+    assert _policy("openvla_tiny", f"policy.vla.model_path={tmp_path}", "policy.vla.unnorm_key=fractal").action_dim == 4
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -191,7 +191,7 @@ def test_dataset_stats_travel_with_the_weights_and_the_model_directory(tmp_path,
     torch.testing.assert_close(fresh.to_env(bins), expected)
 
     policy.save_pretrained(tmp_path)
-    policy = _policy(model, f"policy.model_path={tmp_path}", "policy.chunk_size=1")
+    policy = _policy(model, f"policy.vla.model_path={tmp_path}", "policy.chunk_size=1")
     torch.testing.assert_close(policy.to_env(bins), expected)
 
     old = {k: v for k, v in policy.state_dict().items() if k != "action_stats"}

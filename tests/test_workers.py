@@ -33,7 +33,7 @@ class EchoWorker(Worker):
         return [channel.get(key=("to", source), timeout=60) for _ in range(n)]
 
     def refuse(self) -> None:
-        raise UserError("policy.image_size=4: too small (bad input a worker found)")
+        raise UserError("policy.vla.image_size=4: too small (bad input a worker found)")
 
 
 class PinnedWorker(Worker):
@@ -136,7 +136,7 @@ def test_bad_input_a_worker_finds_is_a_user_error_not_a_fault_to_retry(ray_clust
     watchdog = Watchdog(Deadlines(30.0, 5.0, 60.0))
     group = watchdog.watch(WorkerGroup(EchoWorker, "env", plan, offset=0, get=watchdog.get))
     try:
-        with pytest.raises(UserError, match="policy.image_size=4") as err:
+        with pytest.raises(UserError, match="policy.vla.image_size=4") as err:
             watchdog.get(group.call_async("refuse"), "refuse")
         assert not isinstance(err.value, WorkerFailure)
         assert group.call("whoami", 0)[0][0] == 0  # the workers are fine: nothing to replace

@@ -44,7 +44,7 @@ def fixtures() -> list[dict]:
          "unnorm_key": "aloha1_put_x_into_pot_300_demos", "obs_spec": aloha_spec, "action_dim": 14,
          "cameras": ALOHA_CAMERAS, "cases": ["aloha_libero_frames", "aloha_other_frames"]},
         {"name": "openvla_oft_proprio_mask_tiny", "config": "openvla_oft_7b_libero", "kind": "l1", "chunk": (8, 7),
-         "overrides": ["policy.cameras=[rgb]"], "cases": ["libero_eval", "maniskill", "gradient"]},
+         "overrides": ["policy.vla.cameras=[rgb]"], "cases": ["libero_eval", "maniskill", "gradient"]},
     ]
 
 
@@ -61,7 +61,7 @@ def case_obs(fixture: dict, ref: dict, case: str, device: torch.device) -> dict:
 @torch.no_grad()
 def compare(fixture: dict, dtype: str, device: torch.device) -> dict[str, float]:
     """Largest differences from upstream's outputs over the fixture's cases (tokens: mismatches)."""
-    policy = load_policy(fixture["config"], fixture["name"], f"policy.dtype={dtype}", *fixture.get("overrides", []),
+    policy = load_policy(fixture["config"], fixture["name"], f"policy.vla.dtype={dtype}", *fixture.get("overrides", []),
                          obs_spec=fixture.get("obs_spec"), action_dim=fixture.get("action_dim", 7),
                          unnorm_key=fixture.get("unnorm_key", "libero_spatial_no_noops")).to(device)
     policy.adapter = type(policy.adapter)(gripper=policy.adapter.gripper)  # the frames are upstream's, prepared

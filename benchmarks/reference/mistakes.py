@@ -36,8 +36,8 @@ MISTAKES = {
         "policies/vla/processor.py", "        if self.letterbox_fill is not None:\n            image = letterbox",
         "        if False:\n            image = letterbox"),
     "checkpoint read only when the workers build the policy": (
-        "policies/vla/policy.py", "        if not cfg.model_path:\n            if cfg.image_size < TINY_PATCH:",
-        "        if True:\n            if cfg.image_size < TINY_PATCH:"),
+        "policies/vla/policy.py", "        if not cfg.vla.model_path:\n            if cfg.vla.image_size < TINY_PATCH:",
+        "        if True:\n            if cfg.vla.image_size < TINY_PATCH:"),
     "a policy worker's crash points at the renderer": (
         "embodied/cli.py", '    if "EnvWorker" in report:', "    if True:"),
     "instructions cut at 128 bytes": ("envs/base.py", "    data = text.encode()\n", "    data = text.encode()[:128]\n"),

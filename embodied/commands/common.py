@@ -25,6 +25,7 @@ from embodied.config import (
     validate,
 )
 from embodied.config_files import file_overrides
+from embodied.policy_config import upgrade_saved_policy
 
 
 def add_overrides(parser: argparse.ArgumentParser, what: str = "") -> None:
@@ -92,7 +93,7 @@ def config_from_saved(saved_yaml: str, overrides: list[str]) -> TrainConfig:
     ``group=option`` replaces that section by ``configs/<group>/<option>.yaml``;
     ``a.b=value`` sets one key. Unknown keys are UserErrors, as for ``train``.
     """
-    base = OmegaConf.create(saved_yaml)
+    base = upgrade_saved_policy(OmegaConf.create(saved_yaml))
     groups = config_groups()
     dotted = []
     for item in overrides:

@@ -3,7 +3,7 @@
 checkpoints, oldest first, to compare them.
 
 Without a checkpoint ``eval`` scores the policy as built (``policy=random``: the random baseline;
-``policy.model_path``: a public checkpoint). Results go to a new directory, made only once the
+``policy.vla.model_path``: a public checkpoint). Results go to a new directory, made only once the
 episodes have run, so an evaluation stopped early leaves nothing behind.
 """
 
@@ -58,7 +58,7 @@ def evaluate(overrides: list[str]) -> int:
     seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
     digest = protocol_digest(cfg.eval, cfg.env, seeds)
     record = video_episodes(seeds, cfg.env, cfg.eval.videos_per_task)
-    if state is None and not cfg.policy.model_path:
+    if state is None and not cfg.policy.vla.model_path:
         print(f"note: no checkpoint given: evaluating policy={cfg.policy.name} as initialised", file=sys.stderr)
     check_claimable(cfg.runner.run_dir, "this eval")
     t0 = time.perf_counter()

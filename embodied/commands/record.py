@@ -1,5 +1,5 @@
 """``embodied record [checkpoint=<run_dir|file.pt>] [overrides]``: mp4 videos of the evaluation
-protocol's episodes (no checkpoint: ``policy.model_path``'s model, else uniform random actions).
+protocol's episodes (no checkpoint: ``policy.vla.model_path``'s model, else uniform random actions).
 
 A video is filmed through the evaluation's own path (the same workers, resets and noise), so it
 shows exactly the episode ``embodied eval`` scores.
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 def record(overrides: list[str]) -> int:
     """Film ``eval.video_episodes`` of the protocol's episodes (each task's first, then the
     protocol's order) through the evaluation's own path: the same workers, resets and noise, so a
-    video shows exactly the episode ``eval`` scores. Without a checkpoint: ``policy.model_path``'s
+    video shows exactly the episode ``eval`` scores. Without a checkpoint: ``policy.vla.model_path``'s
     model as built (e.g. a public checkpoint), or with neither, uniform random actions."""
     from embodied.evaluate import recording_episodes, write_videos
     from embodied.run_dirs import check_claimable, written_whole
@@ -50,8 +50,8 @@ def record(overrides: list[str]) -> int:
     check_env_config(cfg.env)
     protocol = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
     seeds = [protocol[k] for k in recording_episodes(protocol, cfg.env, max(cfg.eval.video_episodes, 1))]
-    if state is None and not cfg.policy.model_path:  # nothing trained to film: the random baseline
-        print("note: no checkpoint or policy.model_path given: filming uniform random actions", file=sys.stderr)
+    if state is None and not cfg.policy.vla.model_path:  # nothing trained to film: the random baseline
+        print("note: no checkpoint or policy.vla.model_path given: filming uniform random actions", file=sys.stderr)
         cfg.policy = dataclasses.replace(cfg.policy, name="random", chunk_size=1)
     check_claimable(cfg.runner.run_dir, "this record")
     rows, videos, _ = run_protocol(filming(cfg, len(seeds)), state["actor"] if state else None, seeds,

@@ -2,7 +2,7 @@
 
 A published VLA checkpoint only reproduces its numbers when it sees frames prepared as its
 training data was, and when its actions are post-processed as its authors' eval script does.
-:class:`InputAdapter` holds those settings (``policy.mirror_images``, ``dataset_resize``, ``center_crop``,
+:class:`InputAdapter` holds those settings (``policy.vla.mirror_images``, ``dataset_resize``, ``center_crop``,
 ``gripper``; each family's
 policy config file sets them, docs/vla_checkpoints.md lists which), applied in the policy, so
 training rollouts, evaluation and recording all see the same inputs:
@@ -50,9 +50,9 @@ class InputAdapter:
     def from_config(cls, cfg) -> InputAdapter:
         """The policy config's adapter fields; an unknown gripper mode is a UserError (the crop's range,
         (0, 1], is checked with every numeric key when the config is read: embodied/config.py)."""
-        if cfg.gripper not in GRIPPERS:
-            raise unknown_name_error("gripper post-processing (policy.gripper)", cfg.gripper, list(GRIPPERS))
-        return cls(bool(cfg.mirror_images), cfg.dataset_resize, cfg.center_crop, cfg.gripper)
+        if cfg.vla.gripper not in GRIPPERS:
+            raise unknown_name_error("gripper post-processing (policy.vla.gripper)", cfg.vla.gripper, list(GRIPPERS))
+        return cls(bool(cfg.vla.mirror_images), cfg.vla.dataset_resize, cfg.vla.center_crop, cfg.vla.gripper)
 
     @property
     def changes_frames(self) -> bool:

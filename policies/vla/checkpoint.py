@@ -12,7 +12,7 @@ Statistics: ``{dataset: {"action": {...}, "proprio": {...}}}``, each block with 
 / ``min`` / ``max`` (lists of ``D`` floats) and an optional boolean ``mask`` of the dimensions
 that are normalised. Which pair normalises is the checkpoint's **normalisation**: upstream
 records it nowhere in the checkpoint (OFT's ``constants.py`` picks it per robot platform,
-OpenVLA always uses q01 / q99), so ``policy.normalization`` names it, upstream's default first.
+OpenVLA always uses q01 / q99), so ``policy.vla.normalization`` names it, upstream's default first.
 """
 
 from __future__ import annotations
@@ -63,25 +63,25 @@ def check_model_files(model_dir: str, needs_processor: bool) -> None:
     if needs_processor and not (root / PREPROCESSOR_FILE).exists():
         missing.append(f"{PREPROCESSOR_FILE} (the image processor's resize and normalisation)")
     if missing:
-        raise UserError(f"policy.model_path={model_dir} is missing {', '.join(missing)}. Copy the whole checkpoint "
+        raise UserError(f"policy.vla.model_path={model_dir} is missing {', '.join(missing)}. Copy the whole checkpoint "
                         "directory (`huggingface-cli download <repo> --local-dir <dir>` on a machine with internet "
                         "fetches every file); nothing is downloaded at run time.")
 
 
 def check_normalization(name: str) -> None:
-    """``policy.normalization`` must be one of :data:`NORMALIZATIONS`."""
+    """``policy.vla.normalization`` must be one of :data:`NORMALIZATIONS`."""
     if name in REFUSED_NORMALIZATIONS:
-        raise UserError(f"policy.normalization={name}: {REFUSED_NORMALIZATIONS[name]}. Use bounds_q99 "
+        raise UserError(f"policy.vla.normalization={name}: {REFUSED_NORMALIZATIONS[name]}. Use bounds_q99 "
                         "(q01 / q99: LIBERO, Bridge) or bounds (min / max: ALOHA).")
     if name not in NORMALIZATIONS:
-        raise unknown_name_error("normalisation (policy.normalization)", name, list(NORMALIZATIONS))
+        raise unknown_name_error("normalisation (policy.vla.normalization)", name, list(NORMALIZATIONS))
 
 
 @dataclass(frozen=True)
 class Statistics:
     """One dataset's statistics in a checkpoint: where they came from, and the raw blocks."""
 
-    key: str  # the dataset (``policy.unnorm_key``)
+    key: str  # the dataset (``policy.vla.unnorm_key``)
     source: str  # "dataset_statistics.json" or "config.json norm_stats"
     blocks: dict  # {"action": {...}, "proprio": {...}, ...}
 
@@ -95,8 +95,8 @@ class Statistics:
         missing = [k for k in (low_key, high_key) if k not in stats]
         if missing:
             have = sorted(k for k in stats if isinstance(stats[k], list))
-            raise UserError(f"{where} has no {missing} (it has {have}), which policy.normalization={normalization} "
-                            f"un-normalises with. Set policy.normalization to the checkpoint's own scheme "
+            raise UserError(f"{where} has no {missing} (it has {have}), which policy.vla.normalization={normalization} "
+                            f"un-normalises with. Set policy.vla.normalization to the checkpoint's own scheme "
                             f"({', '.join(f'{n}: {NORMALIZATION_NAMES[n]}' for n in NORMALIZATIONS)}).")
         low, high = stats[low_key], stats[high_key]
         mask = stats.get("mask", [True] * len(low))
@@ -108,7 +108,7 @@ class Statistics:
 
 
 def dataset_statistics(model_dir: str, norm_stats: dict | None, unnorm_key: str | None) -> Statistics | None:
-    """The statistics of the dataset ``policy.unnorm_key`` names (optional when there is one) in
+    """The statistics of the dataset ``policy.vla.unnorm_key`` names (optional when there is one) in
     a checkpoint's ``dataset_statistics.json``, else in its config.json ``norm_stats`` (the file wins,
     as in OpenVLA); None when it has neither. A key it lacks is a UserError."""
     path = Path(model_dir) / STATS_FILE
@@ -118,9 +118,9 @@ def dataset_statistics(model_dir: str, norm_stats: dict | None, unnorm_key: str 
     if unnorm_key is None and len(stats) == 1:
         unnorm_key = next(iter(stats))
     if unnorm_key not in stats:
-        raise UserError(f"policy.unnorm_key={unnorm_key}: {model_dir} has action statistics for {sorted(stats)}. "
-                        f"Set policy.unnorm_key to the dataset whose actions the env takes (e.g. "
-                        f"policy.unnorm_key={sorted(stats)[-1]}).")
+        raise UserError(f"policy.vla.unnorm_key={unnorm_key}: {model_dir} has action statistics for {sorted(stats)}. "
+                        f"Set policy.vla.unnorm_key to the dataset whose actions the env takes (e.g. "
+                        f"policy.vla.unnorm_key={sorted(stats)[-1]}).")
     source = STATS_FILE if path.exists() else f"{CONFIG_FILE} norm_stats"
     return Statistics(unnorm_key, source, stats[unnorm_key])
 
@@ -140,8 +140,8 @@ def action_bounds(found: Statistics | None, model_dir: str, action_dim: int | No
         return None if action_dim is None else ActionStats.identity(action_dim)
     stats = found.bounds("action", normalization, model_dir)
     if action_dim is not None and len(stats.low) != action_dim:
-        raise UserError(f"policy.unnorm_key={found.key} of {model_dir} has {len(stats.low)}-dim actions; the "
+        raise UserError(f"policy.vla.unnorm_key={found.key} of {model_dir} has {len(stats.low)}-dim actions; the "
                         f"env's are {action_dim}-dim. This checkpoint was trained for another robot or controller: "
-                        "pick the statistics of a dataset with this env's action space (policy.unnorm_key), an env "
+                        "pick the statistics of a dataset with this env's action space (policy.vla.unnorm_key), an env "
                         "whose actions match (e.g. env.control_mode), or a checkpoint trained for this env.")
     return stats

@@ -1,7 +1,7 @@
 """OpenVLA-OFT: OpenVLA with parallel decoding of an action chunk in one forward pass.
 
 After the prompt come ``T = chunk_size * A`` placeholder tokens whose input embeddings are
-zero (OFT's "empty action embeddings") and, with ``policy.stop_token`` (OFT's own layout and
+zero (OFT's "empty action embeddings") and, with ``policy.vla.stop_token`` (OFT's own layout and
 SimpleVLA-RL's; RLinf drops it), the real STOP token ``</s>``. Attention is **bidirectional**
 (every token sees every non-padding token), as OFT's transformers fork makes Llama's SDPA
 attention. The hidden states from the last prompt token through placeholder ``T - 2`` (OFT's
@@ -14,10 +14,10 @@ attention. The hidden states from the last prompt token through placeholder ``T 
   ``action_head--*_checkpoint.pt``): OFT's MLP-ResNet head regresses the normalised chunk from
   them. It has no probabilities, so it acts for ``eval`` and ``record`` but cannot be trained with RL.
 
-With ``policy.proprio`` the env's ``state`` becomes one more token after the image patches, through
+With ``policy.vla.proprio`` the env's ``state`` becomes one more token after the image patches, through
 OFT's ``proprio_projector`` (fc1, GELU, fc2), normalised as OFT's ``normalize_proprio`` does when
 the checkpoint's ``dataset_statistics.json`` has proprio statistics: the dimensions in their
-``mask`` rescaled by q01 / q99 (or min / max: ``policy.normalization=bounds``, OFT's ALOHA
+``mask`` rescaled by q01 / q99 (or min / max: ``policy.vla.normalization=bounds``, OFT's ALOHA
 constants), the others left as they are, then everything clipped to [-1, 1]. The action chunk
 (``policy.chunk_size`` x the env's action size) and the cameras are the config's: upstream's
 checkpoints do not record them (its ``constants.py`` picks them per robot platform).
@@ -134,14 +134,14 @@ class OFTCheckpoint(OpenVLACheckpoint):
 
     action_head: Path | None = None  # action_head--*_checkpoint.pt: an L1 head; None: token actions
     proprio_projector: Path | None = None  # proprio_projector--*_checkpoint.pt (or this project's older name)
-    proprio_stats: ActionStats | None = None  # under policy.normalization; None: the state is fed as it is
-    proprio_used: bool = False  # policy.proprio
+    proprio_stats: ActionStats | None = None  # under policy.vla.normalization; None: the state is fed as it is
+    proprio_used: bool = False  # policy.vla.proprio
 
     def describe(self) -> str:
         head = f"L1 action head {self.action_head.name}" if self.action_head else "token actions (LM head)"
         if not self.proprio_used:
             unused = f" (its {self.proprio_projector.name} is unused)" if self.proprio_projector else ""
-            proprio = f"no proprio (policy.proprio=false){unused}"
+            proprio = f"no proprio (policy.vla.proprio=false){unused}"
         elif self.proprio_stats is None:
             proprio = "proprio as the env gives it (no proprio statistics)"
         else:
@@ -198,17 +198,17 @@ def check_proprio_projector(path: Path, hidden: int, stats: ActionStats | None) 
 
 
 def check_proprio_state(obs_spec: dict, saved: OFTCheckpoint | None) -> None:
-    """``policy.proprio=true`` needs the env's ``state``, of the size of the checkpoint's proprio statistics."""
+    """``policy.vla.proprio=true`` needs the env's ``state``, of the size of the checkpoint's proprio statistics."""
     if "state" not in obs_spec:
-        raise UserError("policy.proprio=true needs a `state` observation; this env has none "
-                        f"(it has {sorted(obs_spec)}). Set policy.proprio=false.")
+        raise UserError("policy.vla.proprio=true needs a `state` observation; this env has none "
+                        f"(it has {sorted(obs_spec)}). Set policy.vla.proprio=false.")
     shape = obs_spec["state"][0]  # None: the env's state size is known only once it is built
     state_dim = None if shape is None else shape[0]
     if (state_dim is not None and saved is not None and saved.proprio_stats is not None
             and len(saved.proprio_stats.low) != state_dim):
-        raise UserError(f"policy.proprio=true: the env's state is {state_dim}-dim, but {saved.model_dir}'s proprio "
+        raise UserError(f"policy.vla.proprio=true: the env's state is {state_dim}-dim, but {saved.model_dir}'s proprio "
                         f"statistics are {len(saved.proprio_stats.low)}-dim (OFT's LIBERO checkpoints take 8, its "
-                        "ALOHA ones 14). Use an env whose state matches, or policy.proprio=false.")
+                        "ALOHA ones 14). Use an env whose state matches, or policy.vla.proprio=false.")
 
 
 def bidirectional_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -227,7 +227,7 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__(cfg, obs_spec, action_dim)
-        self.stop_token = cfg.stop_token
+        self.stop_token = cfg.vla.stop_token
         dtype = next(self.model.parameters()).dtype
         hidden = self.model.config.text_config.hidden_size
         saved: OFTCheckpoint | None = self.checkpoint  # None: a tiny model built here
@@ -236,7 +236,7 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
             self.action_head = L1RegressionActionHead(hidden, action_dim).to(dtype)
             load_component(self.action_head, saved.action_head)
         self.proprio_projector, self.proprio_stats = None, None
-        if cfg.proprio:
+        if cfg.vla.proprio:
             check_proprio_state(obs_spec, saved)
             self.proprio_projector = ProprioProjector(obs_spec["state"][0][0], hidden).to(dtype)
             if saved is not None:
@@ -247,21 +247,22 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
     @classmethod
     def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
         super().check_observations(cfg, obs_spec, action_dim)
-        if cfg.proprio:
-            check_proprio_state(obs_spec, cls.read_checkpoint(cfg, action_dim) if cfg.model_path else None)
+        if cfg.vla.proprio:
+            check_proprio_state(obs_spec, cls.read_checkpoint(cfg, action_dim) if cfg.vla.model_path else None)
 
     @classmethod
     def read_checkpoint(cls, cfg, action_dim: int | None) -> OFTCheckpoint:
         """The OpenVLA files (:meth:`OpenVLAPolicy.read_checkpoint`), then OFT's: the component files
         (one of each at most, none of a variant not implemented here, each the size of this model)
-        and the proprio statistics under ``policy.normalization``."""
+        and the proprio statistics under ``policy.vla.normalization``."""
         base = super().read_checkpoint(cfg, action_dim)
-        refuse_unsupported_components(cfg.model_path)
-        head = component_file(cfg.model_path, "action_head")
-        proprio_file = proprio_projector_file(cfg.model_path)
-        proprio = base.statistics.bounds("proprio", cfg.normalization, cfg.model_path) if base.statistics else None
+        refuse_unsupported_components(cfg.vla.model_path)
+        head = component_file(cfg.vla.model_path, "action_head")
+        proprio_file = proprio_projector_file(cfg.vla.model_path)
+        statistics = base.statistics
+        proprio = statistics.bounds("proprio", cfg.vla.normalization, cfg.vla.model_path) if statistics else None
         found = OFTCheckpoint(**vars(base), action_head=head, proprio_projector=proprio_file, proprio_stats=proprio,
-                              proprio_used=cfg.proprio)
+                              proprio_used=cfg.vla.proprio)
         hidden = base.config.text_config.hidden_size
         if head is not None:
             check_action_head(head, hidden, action_dim)
@@ -272,10 +273,11 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
     @staticmethod
     def untrainable_reason(cfg) -> str | None:
         """Why ``embodied train`` cannot train this checkpoint (an L1 head has no action probabilities)."""
-        head = component_file(cfg.model_path, "action_head") if cfg.model_path else None
+        head = component_file(cfg.vla.model_path, "action_head") if cfg.vla.model_path else None
         if head is None:
             return None
-        return (f"policy.model_path={cfg.model_path} is an L1-regression OpenVLA-OFT checkpoint (it has {head.name}): "
+        return (f"policy.vla.model_path={cfg.vla.model_path} is an L1-regression OpenVLA-OFT checkpoint "
+                f"(it has {head.name}): "
                 "its continuous action head gives no action probabilities, so PPO / GRPO cannot train it; it acts "
                 "for `embodied eval` and `embodied record`. RL starts from a token OFT checkpoint: the same "
                 "directory layout without action_head--*.pt, trained to predict the 256 action tokens with the "
@@ -338,7 +340,7 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
         return chunk if self.chunk_size > 1 else chunk[:, 0]
 
     def save_pretrained(self, path: str | Path) -> None:
-        """A model directory ``policy.model_path`` loads: the backbone, tokenizer and OFT's component files."""
+        """A model directory ``policy.vla.model_path`` loads: the backbone, tokenizer and OFT's component files."""
         super().save_pretrained(path)
         for name, module in (("proprio_projector", self.proprio_projector), ("action_head", self.action_head)):
             if module is not None:

@@ -6,7 +6,7 @@ adds the language backbone: prompts, KV-cached decoding, LoRA, vLLM and model di
 
 Observations: ``rgb`` uint8 ``[B, H, W, 3]``, ``state`` (proprioception, OFT) and, where the env
 has one, ``instruction`` uint8 ``[B, L]`` (UTF-8, zero-padded: ``envs.base.instruction_width``; else
-``policy.instruction``).
+``policy.vla.instruction``).
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ class TokenVLAPolicy(TokenActionPolicy):
     actor's: critic warm-up trains the value head alone.
     """
 
+    config_sections = ("vla",)
+
     def _run(self, obs: dict[str, torch.Tensor], action_ids: torch.Tensor | None = None,
              use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor, DecodeState]:
         """-> ``(logits [B, L, V], last hidden layer [B, L, H], state)``; the sequence ends with the
@@ -82,16 +84,17 @@ class TokenVLAPolicy(TokenActionPolicy):
 
     def _setup_rl(self, cfg, action_dim: int, actions: ActionTokenizer, hidden: int, lora_target: nn.Module) -> None:
         """What every VLA policy adds to its backbone: action tokens, sampling settings, a value
-        head on ``hidden``-wide states and, with ``policy.lora_rank``, LoRA in ``lora_target``."""
+        head on ``hidden``-wide states and, with ``policy.vla.lora_rank``, LoRA in ``lora_target``."""
         self._setup_actions(cfg, action_dim, actions)
-        self.instruction = cfg.instruction
-        self.model_path, self.unnorm_key, self.normalization = cfg.model_path, cfg.unnorm_key, cfg.normalization
-        self.backend, self.generator = cfg.backend, None  # generator: the vLLM engine, once built
-        if cfg.backend not in GENERATION_BACKENDS:
-            raise unknown_name_error("generation backend (policy.backend)", cfg.backend, GENERATION_BACKENDS)
+        self.instruction = cfg.vla.instruction
+        vla = cfg.vla
+        self.model_path, self.unnorm_key, self.normalization = vla.model_path, vla.unnorm_key, vla.normalization
+        self.backend, self.generator = cfg.vla.backend, None  # generator: the vLLM engine, once built
+        if cfg.vla.backend not in GENERATION_BACKENDS:
+            raise unknown_name_error("generation backend (policy.vla.backend)", cfg.vla.backend, GENERATION_BACKENDS)
         self.value_head = make_value_head(hidden).to(next(lora_target.parameters()).dtype)  # the backbone's
-        if cfg.lora_rank:
-            self._add_lora(lora_target, cfg.lora_rank)
+        if cfg.vla.lora_rank:
+            self._add_lora(lora_target, cfg.vla.lora_rank)
 
     def shard_units(self) -> list[nn.Module]:
         """The backbone's transformer blocks: the classes its models list as ``_no_split_modules``."""
@@ -154,9 +157,9 @@ class TokenVLAPolicy(TokenActionPolicy):
         return self.value_head(hidden[:, -1]).squeeze(-1)
 
     def save_pretrained(self, path: str | Path) -> None:
-        """A model directory that ``policy.model_path`` loads: the model, its tokenizer and, where
+        """A model directory that ``policy.vla.model_path`` loads: the model, its tokenizer and, where
         actions are normalised, their statistics (OpenVLA's ``dataset_statistics.json``, in the fields
-        of ``policy.normalization``)."""
+        of ``policy.vla.normalization``)."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         self.images.save_pretrained(path)
@@ -167,9 +170,9 @@ class TokenVLAPolicy(TokenActionPolicy):
             (Path(path) / STATS_FILE).write_text(json.dumps({key: {"action": block}}, indent=1))
 
 def require_model_dir(path: str, hub_id: str) -> None:
-    """A clear error for a ``policy.model_path`` that is not a saved model directory."""
+    """A clear error for a ``policy.vla.model_path`` that is not a saved model directory."""
     if not (Path(path) / "config.json").exists():
-        raise UserError(f"policy.model_path={path} is not a model directory (no config.json there). Nothing is "
+        raise UserError(f"policy.vla.model_path={path} is not a model directory (no config.json there). Nothing is "
                         f"downloaded at run time: fetch {hub_id} on a machine with internet (`huggingface-cli "
                         f"download {hub_id} --local-dir {path}`), copy it here, or use a *_tiny policy config.")
 
@@ -200,12 +203,12 @@ def load_strictly(model_class, model_dir: str, dtype: torch.dtype, config=None):
             model, info = model_class.from_pretrained(model_dir, dtype=dtype, output_loading_info=True,
                                                       ignore_mismatched_sizes=True, **extra)
     except OSError as err:  # a file transformers could not read: a shard cut short, a missing file
-        raise UserError(f"policy.model_path={model_dir} does not load as {model_class.__name__}: {err}. Check that "
+        raise UserError(f"policy.vla.model_path={model_dir} does not load as {model_class.__name__}: {err}. Check that "
                         "the directory is a complete copy of the checkpoint (config.json and every "
                         "*.safetensors shard named in its index).") from err
     problems = loading_problems(info)
     if problems:
-        raise UserError(f"policy.model_path={model_dir}: its weights do not fit the {model_class.__name__} its "
+        raise UserError(f"policy.vla.model_path={model_dir}: its weights do not fit the {model_class.__name__} its "
                         f"config.json describes: {problems}. config.json and the weights come from different "
                         "checkpoints (or config.json was edited): copy both from one.")
     return model
@@ -230,9 +233,9 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def weights_dtype(name: str) -> torch.dtype:
-    """``policy.dtype`` -> the torch dtype a checkpoint's weights are loaded in."""
+    """``policy.vla.dtype`` -> the torch dtype a checkpoint's weights are loaded in."""
     if name not in WEIGHT_DTYPES:
-        raise unknown_name_error("weights dtype (policy.dtype)", name, list(WEIGHT_DTYPES))
+        raise unknown_name_error("weights dtype (policy.vla.dtype)", name, list(WEIGHT_DTYPES))
     return WEIGHT_DTYPES[name]
 
 
@@ -241,8 +244,8 @@ def require_images(obs_spec: dict, name: str, cameras: list[str] | tuple[str, ..
         raise UserError(f"policy={name} needs camera images: use an env with obs_mode: rgb.")
     missing = [c for c in cameras if c not in obs_spec]
     if missing:
-        raise UserError(f"policy.cameras={list(cameras)}: this env has no {missing} observation (it has "
-                        f"{sorted(obs_spec)}). Drop them from policy.cameras, or use an env that renders them "
+        raise UserError(f"policy.vla.cameras={list(cameras)}: this env has no {missing} observation (it has "
+                        f"{sorted(obs_spec)}). Drop them from policy.vla.cameras, or use an env that renders them "
                         "(LIBERO gives rgb and wrist_rgb).")
 
 
@@ -274,7 +277,8 @@ class OpenVLACheckpoint:
             actions = "actions in [-1, 1] (no statistics)"
         else:
             actions = (f"actions un-normalised with {NORMALIZATION_NAMES[self.normalization]} of "
-                       f"{self.statistics.source}[{self.statistics.key}] (policy.normalization={self.normalization})")
+                       f"{self.statistics.source}[{self.statistics.key}] "
+                       f"(policy.vla.normalization={self.normalization})")
         return (f"{self.model_dir}: vision {vision} at {specs[0].image_size} px, images {self.images.describe()}; "
                 f"Llama {text.num_hidden_layers} layers, {self.config.n_action_bins} action bins; {actions}")
 
@@ -287,24 +291,24 @@ class OpenVLAPolicy(TokenVLAPolicy):
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
-        require_images(obs_spec, cfg.name, cfg.cameras)
-        self.cameras = list(cfg.cameras)
+        require_images(obs_spec, cfg.name, cfg.vla.cameras)
+        self.cameras = list(cfg.vla.cameras)
         self.checkpoint = None
-        if cfg.model_path:
+        if cfg.vla.model_path:
             from transformers import AutoTokenizer
 
-            require_model_dir(cfg.model_path, "openvla/openvla-7b")
+            require_model_dir(cfg.vla.model_path, "openvla/openvla-7b")
             self.checkpoint = self.read_checkpoint(cfg, action_dim)
-            self.model = load_strictly(OpenVLAForActionPrediction, cfg.model_path, weights_dtype(cfg.dtype),
+            self.model = load_strictly(OpenVLAForActionPrediction, cfg.vla.model_path, weights_dtype(cfg.vla.dtype),
                                        self.checkpoint.config)
             # trust_remote_code=False: config.json's auto_map names upstream's code, which we never run
             with quiet_transformers():  # it warns that config.json's model_type is not one of its own
-                self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=False)
+                self.tokenizer = AutoTokenizer.from_pretrained(cfg.vla.model_path, trust_remote_code=False)
             self.images, stats = self.checkpoint.images, self.checkpoint.action_stats
         else:
             self.tokenizer = byte_tokenizer()
-            self.model = OpenVLAForActionPrediction(tiny_config(len(self.tokenizer), cfg.image_size))
-            self.images = ImageProcessing.default(cfg.image_size, len(self.model.config.vision_specs()))
+            self.model = OpenVLAForActionPrediction(tiny_config(len(self.tokenizer), cfg.vla.image_size))
+            self.images = ImageProcessing.default(cfg.vla.image_size, len(self.model.config.vision_specs()))
             stats = ActionStats.identity(action_dim)
         self.image_size = self.model.config.image_sizes[0]
         actions = ActionTokenizer(stats, n_bins=self.model.config.n_action_bins,
@@ -314,26 +318,26 @@ class OpenVLAPolicy(TokenVLAPolicy):
 
     @classmethod
     def read_checkpoint(cls, cfg, action_dim: int | None) -> OpenVLACheckpoint:
-        """``policy.model_path``'s files read and checked (config.json, the processor, the statistics
-        under ``policy.normalization``); ``action_dim``: the env's, or None while it is not known."""
-        cls.check_normalization(cfg.normalization)
-        check_model_files(cfg.model_path, needs_processor=True)
-        config = read_config(cfg.model_path)
+        """``policy.vla.model_path``'s files read and checked (config.json, the processor, the statistics
+        under ``policy.vla.normalization``); ``action_dim``: the env's, or None while it is not known."""
+        cls.check_normalization(cfg.vla.normalization)
+        check_model_files(cfg.vla.model_path, needs_processor=True)
+        config = read_config(cfg.vla.model_path)
         backbones = len(config.vision_specs())
-        images = ImageProcessing.from_pretrained(cfg.model_path, config.image_sizes[:backbones], backbones)
-        found = dataset_statistics(cfg.model_path, config.norm_stats, cfg.unnorm_key)
-        actions = action_bounds(found, cfg.model_path, action_dim, cfg.normalization)
-        return OpenVLACheckpoint(cfg.model_path, config, images, found, actions, cfg.normalization)
+        images = ImageProcessing.from_pretrained(cfg.vla.model_path, config.image_sizes[:backbones], backbones)
+        found = dataset_statistics(cfg.vla.model_path, config.norm_stats, cfg.vla.unnorm_key)
+        actions = action_bounds(found, cfg.vla.model_path, action_dim, cfg.vla.normalization)
+        return OpenVLACheckpoint(cfg.vla.model_path, config, images, found, actions, cfg.vla.normalization)
 
     @classmethod
     def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
-        require_images(obs_spec, cfg.name, cfg.cameras)
+        require_images(obs_spec, cfg.name, cfg.vla.cameras)
 
     @classmethod
     def check_normalization(cls, name: str) -> None:
         check_normalization(name)
         if name not in cls.normalizations:
-            raise UserError(f"policy.normalization={name}: OpenVLA's predict_action un-normalises actions with "
+            raise UserError(f"policy.vla.normalization={name}: OpenVLA's predict_action un-normalises actions with "
                             "q01 / q99 only (bounds_q99); min / max bounds are OpenVLA-OFT's (policy=openvla_oft, "
                             "e.g. its ALOHA checkpoints). Remove the override.")
 
@@ -342,20 +346,20 @@ class OpenVLAPolicy(TokenVLAPolicy):
         """Before any worker starts: the checkpoint's files and every option in them, its
         ``unnorm_key`` and action size. Returns the line the run log shows about the checkpoint."""
         InputAdapter.from_config(cfg)
-        weights_dtype(cfg.dtype)
-        cls.check_normalization(cfg.normalization)
-        if not cfg.model_path:
-            if cfg.image_size < TINY_PATCH:
-                raise UserError(f"policy.image_size={cfg.image_size}: the tiny {cfg.name} model's ViTs cut images "
-                                f"into {TINY_PATCH} px patches, so they need at least {TINY_PATCH} px (64 is the "
-                                "tiny configs' size). Set policy.image_size to 8 or more.")
+        weights_dtype(cfg.vla.dtype)
+        cls.check_normalization(cfg.vla.normalization)
+        if not cfg.vla.model_path:
+            if cfg.vla.image_size < TINY_PATCH:
+                raise UserError(f"policy.vla.image_size={cfg.vla.image_size}: the tiny {cfg.name} model's ViTs "
+                                f"cut images into {TINY_PATCH} px patches, so they need at least {TINY_PATCH} px "
+                                "(64 is the tiny configs' size). Set policy.vla.image_size to 8 or more.")
             return []
         checkpoint = cls.read_checkpoint(cfg, action_dim)
         size = checkpoint.config.image_sizes[0]
-        if cfg.image_size != size:
-            raise UserError(f"policy.image_size={cfg.image_size}, but {cfg.model_path}'s vision backbone takes {size} "
-                            f"px images (config.json image_sizes): a checkpoint's input size is its own. Set "
-                            f"policy.image_size={size} (the family configs do).")
+        if cfg.vla.image_size != size:
+            raise UserError(f"policy.vla.image_size={cfg.vla.image_size}, but {cfg.vla.model_path}'s vision "
+                            f"backbone takes {size} px images (config.json image_sizes): a checkpoint's input "
+                            f"size is its own. Set policy.vla.image_size={size} (the family configs do).")
         return [f"policy={cfg.name} {checkpoint.describe()}"]
 
     def _prompt_ids(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,7 +374,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
         return ids.to(device), mask.to(device)
 
     def _pixel_values(self, obs: dict[str, torch.Tensor], device) -> torch.Tensor:
-        """``policy.cameras``' frames through the family's adapter and the checkpoint's processor,
+        """``policy.vla.cameras``' frames through the family's adapter and the checkpoint's processor,
         stacked on channels (OFT's multi-image input): ``[B, 3 * backbones * cameras, S, S]``."""
         return torch.cat([self.images(self.adapter.frames(obs[c])) for c in self.cameras], dim=1).to(device)
 

@@ -2,7 +2,7 @@
 
 Prompt: ``<|vision_start|><|image_pad|> x N<|vision_end|>What action should the robot take to
 {instruction}?`` (``N`` image tokens: the image processor's patch grid merged 2 x 2), then one
-action token per action dimension. ``policy.model_path`` loads a saved Qwen2.5-VL directory
+action token per action dimension. ``policy.vla.model_path`` loads a saved Qwen2.5-VL directory
 (model + tokenizer + preprocessor_config.json, whose image processing is used; action tokens are
 added when missing); without it a tiny model is built.
 """
@@ -58,7 +58,7 @@ def tiny_qwen_config(tokenizer, image_size: int = 56, hidden: int = 128) -> Qwen
 def qwen_image_processor(model_dir: str | None, image_size: int) -> Qwen2VLImageProcessorPil:
     """Qwen2.5-VL's image processor as ``model_dir``'s preprocessor_config.json sets it up (pixel
     range, patch / merge / temporal patch size, resample, rescale, mean / std), its pixel count
-    capped at ``policy.image_size ** 2``; transformers' defaults (min 56 x 56 pixels) without one.
+    capped at ``policy.vla.image_size ** 2``; transformers' defaults (min 56 x 56 pixels) without one.
     Images are resized to multiples of ``patch_size * merge_size`` (28) px within the pixel range:
     a 64 px cap turns 96 px frames into 56 px, 2 x 2 image tokens."""
     path = Path(model_dir) / PREPROCESSOR_FILE if model_dir else None
@@ -83,30 +83,30 @@ class QwenVLPolicy(TokenVLAPolicy):
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
         require_images(obs_spec, "qwen_vl")
-        if cfg.model_path:
+        if cfg.vla.model_path:
             from transformers import AutoTokenizer
 
-            require_model_dir(cfg.model_path, "Qwen/Qwen2.5-VL-3B-Instruct")
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-            self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(cfg.model_path)
+            require_model_dir(cfg.vla.model_path, "Qwen/Qwen2.5-VL-3B-Instruct")
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.vla.model_path)
+            self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(cfg.vla.model_path)
         else:
             self.tokenizer = tiny_tokenizer()
             self.model = None
         if action_token(0) not in self.tokenizer.get_vocab():
             self.tokenizer.add_tokens([action_token(b) for b in range(N_BINS)], special_tokens=True)
         if self.model is None:
-            self.model = Qwen2_5_VLForConditionalGeneration(tiny_qwen_config(self.tokenizer, cfg.image_size))
+            self.model = Qwen2_5_VLForConditionalGeneration(tiny_qwen_config(self.tokenizer, cfg.vla.image_size))
         if self.model.get_input_embeddings().weight.shape[0] < len(self.tokenizer):
             self.model.resize_token_embeddings(len(self.tokenizer))
         first = self.tokenizer.convert_tokens_to_ids(action_token(0))
-        stats = (checkpoint_action_stats(cfg.model_path, getattr(self.model.config, "norm_stats", None),
-                                         cfg.unnorm_key, action_dim, cfg.normalization)
-                 if cfg.model_path else ActionStats.identity(action_dim))
+        stats = (checkpoint_action_stats(cfg.vla.model_path, getattr(self.model.config, "norm_stats", None),
+                                         cfg.vla.unnorm_key, action_dim, cfg.vla.normalization)
+                 if cfg.vla.model_path else ActionStats.identity(action_dim))
         actions = ActionTokenizer(stats, mode="added", first_id=first)
         self._setup_rl(cfg, action_dim, actions, self.model.config.text_config.hidden_size,
                        self.model.model.language_model)
-        self.image_size = cfg.image_size
-        self.images = qwen_image_processor(cfg.model_path, cfg.image_size)
+        self.image_size = cfg.vla.image_size
+        self.images = qwen_image_processor(cfg.vla.model_path, cfg.vla.image_size)
 
     def _qwen_prompts(self, obs, image_tokens: int) -> list[str]:
         start, pad, end = VISION_TOKENS

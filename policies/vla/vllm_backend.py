@@ -1,4 +1,4 @@
-"""vLLM as the rollout generation backend of token VLAs (``policy.backend: vllm``; GPU only).
+"""vLLM as the rollout generation backend of token VLAs (``policy.vla.backend: vllm``; GPU only).
 
 vLLM samples the action tokens; the Hugging Face model then scores them in one teacher-forced
 pass, which gives the token log-probs PPO / GRPO ratios are taken against (over the action
@@ -7,7 +7,7 @@ bins, tempered: exactly what the update recomputes) and the value. So the interf
 its own (seeded) randomness: rollouts do not follow the rollout worker's noise.
 
 Only the Qwen2.5-VL VLA runs on vLLM (vLLM has no Prismatic/OpenVLA model), from its
-``policy.model_path`` directory. ``vllm`` is imported when the first rollout needs it; the
+``policy.vla.model_path`` directory. ``vllm`` is imported when the first rollout needs it; the
 engine is built then, in the rollout worker only. After a weight sync the engine is reloaded
 from the policy's weights (``load_weights`` in vLLM's worker, through ``collective_rpc``).
 """
@@ -33,12 +33,12 @@ class WeightLoader:
 def require_vllm():
     """The ``vllm`` module, or a UserError that says how to get a setup that has it."""
     if not torch.cuda.is_available():
-        raise UserError("policy.backend=vllm needs a CUDA GPU; this machine has none. Use policy.backend=hf.")
+        raise UserError("policy.vla.backend=vllm needs a CUDA GPU; this machine has none. Use policy.vla.backend=hf.")
     try:
         import vllm
     except ImportError:
-        raise UserError("policy.backend=vllm needs the vllm package: `pip install vllm` (it brings its own "
-                        "CUDA build of torch), or use policy.backend=hf.") from None
+        raise UserError("policy.vla.backend=vllm needs the vllm package: `pip install vllm` (it brings its own "
+                        "CUDA build of torch), or use policy.vla.backend=hf.") from None
     return vllm
 
 
@@ -68,8 +68,8 @@ class VLLMGenerator:
 
     def __init__(self, policy, memory_fraction: float = 0.3, seed: int = 0):
         if type(policy).__name__ != "QwenVLPolicy" or not policy.model_path:
-            raise UserError("policy.backend=vllm runs the Qwen2.5-VL VLA from a model directory (policy=qwen_vl "
-                            "with policy.model_path); OpenVLA models have no vLLM implementation: use backend=hf.")
+            raise UserError("policy.vla.backend=vllm runs the Qwen2.5-VL VLA from a model directory (policy=qwen_vl "
+                            "with policy.vla.model_path); OpenVLA models have no vLLM implementation: use backend=hf.")
         vllm = require_vllm()
         self.vllm, self.policy = vllm, policy
         size = policy.images.size  # the HF path's processor (the checkpoint's, capped): same image tokens

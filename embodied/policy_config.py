@@ -1,0 +1,109 @@
+"""The ``policy`` section of the schema: the keys every policy reads, and one section per family.
+
+A policy reads ``policy.name``, ``policy.chunk_size`` and ``policy.temperature``, and the section of
+its family (its class's ``config_sections`` in policies/): ``policy.net`` for the small networks
+trained from scratch (mlp, cnn, mlp_tokens), ``policy.vla`` for vision-language-action models
+(openvla, openvla_oft, qwen_vl). A run that sets keys of another family's section is refused before
+any worker starts (``policies.registry.check_policy_config``), so ``policy=mlp
+policy.vla.lora_rank=8`` is an error, not a setting nobody reads.
+
+Configs saved before the sections existed (a run's config.yaml, a checkpoint's ``config_yaml``)
+wrote these keys flat (``policy.model_path``); :func:`upgrade_saved_policy` moves them into their
+sections when such a config is loaded. On the command line the old spelling is an error naming the
+new one (:func:`moved_policy_key`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from omegaconf import DictConfig
+
+from embodied.config_ranges import ranged
+
+
+@dataclass
+class NetConfig:
+    """``policy.net``: small networks trained from scratch (policies/mlp.py, cnn.py, mlp_tokens.py)."""
+
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256, 256])
+    activation: str = "tanh"
+    log_std_init: float = ranged(-0.5)  # initial log std of the Gaussian action distribution (any value)
+    cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 64])  # cnn only
+    feature_dim: int = ranged(256, 1)  # cnn only: image embedding size
+    # mlp_tokens only: how the trunk gives the 256 bin logits of each action token (policies/mlp_tokens.py):
+    # "gaussian" (a Gaussian's log-density at the bins: learns from scratch as policy=mlp does) or
+    # "logits" (free, as a VLA's LM head: from scratch, far slower; docs/results/rl_from_scratch)
+    token_head: str = "gaussian"
+
+
+@dataclass
+class VLAConfig:
+    """``policy.vla``: vision-language-action models (policies/vla/)."""
+
+    model_path: str | None = None  # a save_pretrained directory (model + tokenizer); None: a tiny model from scratch
+    dtype: str = "float32"  # the weights' dtype once loaded: float32 | bfloat16 (checkpoints ship bf16)
+    image_size: int = ranged(64, 1)  # tiny VLAs: the vision backbones' input size
+    instruction: str = ""  # the language instruction where the env gives none (ManiSkill tasks)
+    lora_rank: int = ranged(0, 0)  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen
+    unnorm_key: str | None = None  # OpenVLA checkpoints: whose norm_stats un-normalise actions (optional if one)
+    # which statistics map actions (and OFT's proprio) to [-1, 1], upstream's NormalizationType:
+    # bounds_q99 (q01 / q99: OpenVLA; OFT on LIBERO, Bridge) or bounds (min / max: OFT on ALOHA). Checkpoints do
+    # not record it (OFT's constants.py picks it per robot platform); the run log says which was used
+    normalization: str = "bounds_q99"
+    backend: str = "hf"  # rollout generation: hf (transformers, KV cache) or vllm (GPU, Qwen-VL only)
+    proprio: bool = False  # openvla_oft: feed the env's `state` (proprioception) as one more input token
+    cameras: list[str] = field(default_factory=lambda: ["rgb"])  # images fed in order (OFT: + wrist_rgb)
+    stop_token: bool = True  # openvla_oft: a STOP token after the action placeholders (OFT, SimpleVLA-RL; RLinf: false)
+    # how the checkpoint family wants inputs and actions (policies/vla/adapters.py; each published
+    # family's values: docs/vla_checkpoints.md and its configs/policy/*.yaml)
+    mirror_images: bool = False  # mirror frames left-right (LIBERO-trained OpenVLA/OFT: raw frame rotated 180 deg)
+    # JPEG round trip + lanczos3 resize to this size first (their RLDS data: 224)
+    dataset_resize: int | None = ranged(None, 1)
+    # keep this central fraction of the area, resized back (random-crop training: 0.9)
+    center_crop: float | None = ranged(None, 0, 1, above=True)
+    gripper: str = "none"  # the last action dim: none | libero ([0, 1] -> [-1, 1], binarise, invert)
+    # the camera images the checkpoint was trained on: their size (env.image_size) and LIBERO rendering
+    # (env.rendering). A public-checkpoint config sets both, and the env settings its authors use; a run whose
+    # env renders other images is refused, not resized behind the user's back. None: any
+    camera_size: int | None = ranged(None, 8)
+    camera_rendering: str | None = None
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "mlp"  # registered in policies/registry.py
+    # actions per decision (an action chunk, executed open loop by the env worker; policies that chunk)
+    chunk_size: int = ranged(1, 1)
+    # action-token sampling temperature in training rollouts (token policies; evaluation is greedy)
+    temperature: float = ranged(1.0, 0, above=True)
+    net: NetConfig = field(default_factory=NetConfig)
+    vla: VLAConfig = field(default_factory=VLAConfig)
+
+
+SECTIONS = {"net": NetConfig, "vla": VLAConfig}
+# a key of the former flat policy section -> its section now
+MOVED = {key.name: section for section, schema in SECTIONS.items() for key in fields(schema)}
+
+
+def moved_policy_key(dotted: str) -> str | None:
+    """``policy.model_path`` -> ``policy.vla.model_path``: the key's place since the sections; None
+    for a key that never was a flat policy key."""
+    parts = dotted.split(".")
+    if len(parts) == 2 and parts[0] == "policy" and parts[1] in MOVED:
+        return f"policy.{MOVED[parts[1]]}.{parts[1]}"
+    return None
+
+
+def upgrade_saved_policy(raw: DictConfig) -> DictConfig:
+    """A saved config (in place) with its flat policy keys moved into their sections."""
+    policy = raw.get("policy") if isinstance(raw, DictConfig) else None
+    if not isinstance(policy, DictConfig):
+        return raw
+    for key in [k for k in policy if k in MOVED]:
+        section = MOVED[key]
+        if section not in policy:
+            policy[section] = {}
+        policy[section][key] = policy.pop(key)
+    return raw
+
