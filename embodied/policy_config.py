@@ -1,9 +1,10 @@
 """The ``policy`` section of the schema: the keys every policy reads, and one section per family.
 
-A policy reads ``policy.name``, ``policy.chunk_size`` and ``policy.temperature``, and the section of
+A policy reads ``policy.name``, ``policy.chunk_size`` and ``policy.temperature``, and the sections of
 its family (its class's ``config_sections`` in policies/): ``policy.net`` for the small networks
 trained from scratch (mlp, cnn, mlp_tokens), ``policy.vla`` for vision-language-action models
-(openvla, openvla_oft, qwen_vl). A run that sets keys of another family's section is refused before
+(openvla, openvla_oft, qwen_vl), ``policy.flow`` for flow-matching action heads (mlp_flow, with
+``policy.net``). A run that sets keys of another family's section is refused before
 any worker starts (``policies.registry.check_policy_config``), so ``policy=mlp
 policy.vla.lora_rank=8`` is an error, not a setting nobody reads.
 
@@ -71,6 +72,30 @@ class VLAConfig:
 
 
 @dataclass
+class FlowConfig:
+    """``policy.flow``: flow-matching action heads (policies/flow_policy.py: mlp_flow), which integrate an
+    action chunk from Gaussian noise over denoising steps, and how RL gets log-probabilities from that chain."""
+
+    # how a training rollout's chain gets a log-probability (policies/flow_policy.py, FLOW_METHODS):
+    # "sde" (Flow-SDE: one denoising step per sample is a Gaussian step of the SDE with the ODE's marginals,
+    # the others ODE steps; log pi = that step's log-density) or "noise" (Flow-Noise: every step adds noise of
+    # a learned std; log pi = the mean of the initial noise's and every step's log-densities)
+    method: str = "sde"
+    steps: int = ranged(4, 1)  # denoising steps K of training rollouts (and of the update's re-scoring)
+    # denoising steps of evaluations (all ODE); None: steps. More than steps is Flow-GRPO's denoising reduction
+    eval_steps: int | None = ranged(None, 1)
+    noise_level: float = ranged(0.5, 0, above=True)  # Flow-SDE's a in sigma_t = a * sqrt(t / (1 - t))
+    # Flow-SDE: which denoising step (0 .. steps - 1, from the noise) is stochastic; None: one drawn per sample
+    sde_step: int | None = ranged(None, 0)
+    # Flow-Noise: the learned noise std's bounds (a sigmoid between them)
+    noise_min: float = ranged(0.08, 0, above=True)
+    noise_max: float = ranged(0.16, 0, above=True)
+    # which modules RL and SFT train: "all", or "expert" (the flow head alone: velocity and noise nets; the
+    # trunk that encodes observations is frozen). The critic always trains
+    train: str = "all"
+
+
+@dataclass
 class PolicyConfig:
     name: str = "mlp"  # registered in policies/registry.py
     # actions per decision (an action chunk, executed open loop by the env worker; policies that chunk)
@@ -79,9 +104,10 @@ class PolicyConfig:
     temperature: float = ranged(1.0, 0, above=True)
     net: NetConfig = field(default_factory=NetConfig)
     vla: VLAConfig = field(default_factory=VLAConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
 
-SECTIONS = {"net": NetConfig, "vla": VLAConfig}
+SECTIONS = {"net": NetConfig, "vla": VLAConfig}  # the sections of the former flat keys
 # a key of the former flat policy section -> its section now
 MOVED = {key.name: section for section, schema in SECTIONS.items() for key in fields(schema)}
 
