@@ -1,4 +1,5 @@
-"""RL from scratch on ManiSkill state tasks: PPO vs GRPO x Gaussian vs token-action policy x tasks.
+"""RL from scratch on ManiSkill state tasks: PPO vs GRPO x Gaussian, token-action and flow-matching
+(Flow-SDE, Flow-Noise) policies x tasks.
 
     .venv/bin/python benchmarks/rl_from_scratch.py [--only ppo-tokens-pushcube ...] [--minutes 30]
         [--out runs/rl_from_scratch] [--report-only] [-- extra train overrides]
@@ -27,7 +28,8 @@ from vla_sft_rl import run
 from embodied.run_logger import read_scalars
 
 TASKS = {"pushcube": "env=maniskill_pushcube", "pickcube": "env=maniskill_pickcube"}
-POLICIES = {"gaussian": ["policy=mlp"], "tokens": ["policy=mlp_tokens"]}
+POLICIES = {"gaussian": ["policy=mlp"], "tokens": ["policy=mlp_tokens"], "flow_sde": ["policy=mlp_flow"],
+            "flow_noise": ["policy=mlp_flow", "policy.flow.method=noise"]}
 ALGORITHMS = {"ppo": ["algorithm=ppo"], "grpo": ["algorithm=grpo"]}
 CELLS = {f"{a}-{p}-{t}": [*ALGORITHMS[a], *POLICIES[p], TASKS[t]]
          for t in TASKS for a in ALGORITHMS for p in POLICIES}

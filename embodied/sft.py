@@ -1,8 +1,9 @@
-"""Supervised warm start: a token policy (VLA) learns the motion planner's demonstrations.
+"""Supervised warm start: a policy with a demo loss (a token VLA, a flow-matching policy) learns the
+motion planner's demonstrations.
 
 Read top to bottom: record (or load the cached) demos, then ``sft.epochs`` epochs of
-minibatches of cross-entropy over the demo actions' tokens (their bins under the policy's
-action tokenizer: ``embodied/algorithms/sft.py``), in this process or on
+minibatches of the policy's demo loss (token policies: cross-entropy over the demo actions' tokens;
+flow-matching policies: the flow-matching loss; ``embodied/algorithms/sft.py``), in this process or on
 ``placement.actor_workers`` data-parallel ranks, then a checkpoint in the format ``train``
 (``checkpoint=`` warm start), ``eval`` and ``record`` read.
 """
@@ -81,9 +82,9 @@ def train_sft(cfg: TrainConfig, run_dir: Path) -> dict:
     ``placement.actor_workers`` data-parallel ranks); returns the last epoch's statistics."""
     check_policy_config(cfg.policy, env_action_dim(cfg.env))
     if not POLICIES.get(cfg.policy.name).demo_statistics:
-        raise UserError(f"embodied sft trains policies with a demo loss (token policies: VLAs, mlp_tokens): "
-                        f"policy={cfg.policy.name} has none. Use policy=openvla_tiny or policy=qwen_vl_tiny "
-                        "(or a real VLA config).")
+        raise UserError(f"embodied sft trains policies with a demo loss (token policies: VLAs, mlp_tokens; "
+                        f"flow-matching policies: mlp_flow): policy={cfg.policy.name} has none. Use "
+                        "policy=openvla_tiny, policy=qwen_vl_tiny or policy=mlp_flow (or a real VLA config).")
     demos = demos_for(cfg, cfg.runner.progress)
     obs_spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in demos.obs.items()}
     action_dim, action_stats = demos.actions.shape[-1], ActionStats.from_actions(demos.actions)

@@ -5,7 +5,7 @@ with a separate MLP critic: the chain-sampled path (policies/flow_policy.py) fro
 - trunk: ``state [B, S]`` -> features ``[B, H]`` (``policy.net.hidden_sizes``, ``activation``);
 - velocity net: ``[features, x_t [B, D], time features of t]`` -> ``v [B, D]``, two hidden layers
   of ``H``;
-- noise head (Flow-Noise): the same inputs -> a std in ``[policy.flow.noise_min, noise_max]``;
+- noise head (Flow-Noise only): the same inputs -> a std in ``[policy.flow.noise_min, noise_max]``;
 - critic: ``state`` -> ``[B]`` through its own MLP.
 """
 
@@ -38,7 +38,9 @@ class MLPFlowPolicy(FlowMatchingPolicy):
         self.trunk = nn.Sequential(mlp([state_dim, *net.hidden_sizes], net.activation), nn.Tanh())
         expert_in = width + self.width + TIME_FEATURES
         self.velocity_net = mlp([expert_in, width, width, self.width], net.activation, out_gain=0.01)
-        self.noise_net = mlp([expert_in, width, self.width], net.activation, out_gain=0.01)
+        # Flow-Noise only: no parameters a Flow-SDE update would leave without gradients
+        self.noise_net = mlp([expert_in, width, self.width], net.activation, out_gain=0.01) \
+            if cfg.flow.method == "noise" else None
         self.critic = mlp([state_dim, *net.hidden_sizes, 1], net.activation, out_gain=1.0)
         self.freeze_trunk(cfg.flow.train)
 

@@ -83,20 +83,22 @@ def test_mlp_tokens_rejects_image_only_envs():
 @pytest.mark.parametrize("name, obs_spec", [
     ("mlp", {"state": ((42,), "float32")}),
     ("mlp_tokens", {"state": ((42,), "float32")}),
+    ("mlp_flow", {"state": ((42,), "float32")}),
+    ("mlp_flow policy.flow.method=noise", {"state": ((42,), "float32")}),
     ("cnn", {"rgb": ((64, 64, 3), "uint8"), "state": ((25,), "float32")}),
 ])
 def test_batch_invariant_inference_matches_any_split(name, obs_spec):
     """A pipelined rollout infers on micro-batches: each row must come out as in the full batch."""
     from policies.base import set_batch_invariant
 
-    cfg = compose([f"policy={name}"]).policy
+    cfg = compose(f"policy={name}".split()).policy
     policy = make_policy(cfg, obs_spec, 8)
     set_batch_invariant(policy)
     g = torch.Generator().manual_seed(0)
     obs = {"state": torch.randn(16, obs_spec["state"][0][0], generator=g)}
     if "rgb" in obs_spec:
         obs["rgb"] = torch.randint(0, 256, (16, 64, 64, 3), dtype=torch.uint8, generator=g)
-    noise = torch.randn(16, 8, generator=g)
+    noise = torch.randn(16, policy.noise_dim, generator=g)
     full = policy.act(obs, noise=noise)
     for size in (1, 2, 4, 8):
         parts = [policy.act({k: v[i:i + size] for k, v in obs.items()}, noise=noise[i:i + size])
