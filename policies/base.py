@@ -139,6 +139,26 @@ class Conv2d(nn.Conv2d):
         return out.reshape(b, self.out_channels, out_h, out_w)
 
 
+SIMD_BLOCK = 64  # elements: a whole number of CPU vector-loop iterations for float and double
+
+
+def rowwise_exact(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a pointwise ``fn`` (log, sigmoid, sin, ...), with each element's result
+    independent of the tensor's size.
+
+    ATen's CPU kernels run the vector loop over whole vectors and a scalar loop over the last
+    few elements, and the two differ in the last bit for transcendental functions; so a row of
+    a ``[1, 8]`` tensor (all tail) could differ from the same row of ``[16, 8]`` (all vector).
+    Padding the flattened tensor to a multiple of :data:`SIMD_BLOCK` puts every element through
+    the vector loop. Exact for tensors under ATen's parallel grain (32768 elements); costs a copy.
+    """
+    flat = x.reshape(-1)
+    pad = -flat.numel() % SIMD_BLOCK
+    if pad == 0 or x.device.type != "cpu":
+        return fn(x)
+    return fn(torch.cat([flat, flat.new_ones(pad)]))[:flat.numel()].view(x.shape)
+
+
 def set_batch_invariant(module: nn.Module, enabled: bool = True) -> None:
     """Switch every :class:`Linear` and :class:`Conv2d` in ``module`` to (or from) the
     batch-invariant path."""

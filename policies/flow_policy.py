@@ -31,7 +31,7 @@ import math
 import torch
 
 from envs.common import Registry, UserError
-from policies.base import Policy
+from policies.base import Policy, rowwise_exact
 from policies.flow_steps import gaussian_entropy, gaussian_logprob, ode_mean, sde_step, time_grid
 from policies.vla.action_tokenizer import ActionStats
 
@@ -119,7 +119,7 @@ def time_features(t: torch.Tensor, width: int = 16) -> torch.Tensor:
     """``t [B]`` -> ``[B, width]`` sinusoidal features (frequencies pi * 2^i), as diffusion nets embed time."""
     freqs = math.pi * 2.0 ** torch.arange(width // 2, device=t.device, dtype=t.dtype)
     angles = t[:, None] * freqs
-    return torch.cat([angles.sin(), angles.cos()], -1)
+    return torch.cat([rowwise_exact(torch.sin, angles), rowwise_exact(torch.cos, angles)], -1)
 
 
 class FlowMatchingPolicy(Policy):
@@ -208,7 +208,7 @@ class FlowMatchingPolicy(Policy):
             chain = self.ode_chain(features, x0, self.eval_steps)
             return self.pack(chain, torch.full((b,), -1, device=x0.device)), torch.zeros_like(x0), value
         draws = noise[:, self.width:-1].unflatten(-1, (self.steps, self.width))
-        uniform = torch.special.ndtr(noise[:, -1])
+        uniform = rowwise_exact(torch.special.ndtr, noise[:, -1])
         chain, step, logprob = self.method.sample(self, features, x0, draws, uniform)
         return self.pack(chain, step), logprob, value
 

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from policies.base import rowwise_exact
+
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -54,9 +56,9 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, delta: float,
 
 def gaussian_logprob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """The elementwise log-density of ``x`` under ``N(mean, std^2)``."""
-    return -0.5 * ((x - mean) / std) ** 2 - std.log() - LOG_SQRT_2PI
+    return -0.5 * ((x - mean) / std) ** 2 - rowwise_exact(torch.log, std) - LOG_SQRT_2PI
 
 
 def gaussian_entropy(std: torch.Tensor) -> torch.Tensor:
     """The elementwise entropy of ``N(., std^2)``: ``log std + 0.5 log(2 pi e)``."""
-    return std.log() + LOG_SQRT_2PI + 0.5
+    return rowwise_exact(torch.log, std) + LOG_SQRT_2PI + 0.5

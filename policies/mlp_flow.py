@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from envs.common import UserError
-from policies.base import POLICIES, mlp, vector_dim, vector_obs
+from policies.base import POLICIES, mlp, rowwise_exact, vector_dim, vector_obs
 from policies.flow_policy import FlowMatchingPolicy, time_features
 
 TIME_FEATURES = 16
@@ -55,5 +55,5 @@ class MLPFlowPolicy(FlowMatchingPolicy):
         return self.velocity_net(self._expert_input(features, x, t))
 
     def noise_std(self, features: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        squashed = torch.sigmoid(self.noise_net(self._expert_input(features, x, t)))
+        squashed = rowwise_exact(torch.sigmoid, self.noise_net(self._expert_input(features, x, t)))
         return self.noise_min + (self.noise_max - self.noise_min) * squashed

@@ -80,6 +80,21 @@ def test_mlp_tokens_rejects_image_only_envs():
         make_policy(cfg.policy, {"rgb": ((64, 64, 3), torch.uint8)}, 8)
 
 
+@pytest.mark.parametrize("fn", [torch.log, torch.sigmoid, torch.sin, torch.special.ndtr], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("width", [1, 8, 13])
+def test_rowwise_exact_gives_each_row_the_bits_of_the_whole_batch(fn, width):
+    """A CPU kernel's scalar tail can differ from its vector loop in the last bit; rowwise_exact
+    must not let a row's result depend on the batch it is computed in."""
+    from policies.base import rowwise_exact
+
+    x = torch.rand(300, width, generator=torch.Generator().manual_seed(0)) * 0.2 + 0.05
+    whole = rowwise_exact(fn, x)
+    torch.testing.assert_close(whole, fn(x))
+    for size in (1, 2, 3, 7):
+        pieces = torch.cat([rowwise_exact(fn, x[i:i + size]) for i in range(0, len(x), size)])
+        assert torch.equal(pieces, whole), f"{fn.__name__} rows differ when computed {size} at a time"
+
+
 @pytest.mark.parametrize("name, obs_spec", [
     ("mlp", {"state": ((42,), "float32")}),
     ("mlp_tokens", {"state": ((42,), "float32")}),
