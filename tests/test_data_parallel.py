@@ -95,7 +95,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+# replicate is the simpler strategy (a gradient all-reduce); the default run checks FSDP, which shards too
+@pytest.mark.parametrize("strategy", [pytest.param("replicate", marks=pytest.mark.slow), "fsdp"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_update_on_two_ranks_gives_the_weights_of_one_rank(ray_cluster, case: str, strategy: str):
     import ray
@@ -166,6 +167,7 @@ def _first_iteration(cfg, run_dir) -> tuple[dict, dict]:
         trainer.close()
 
 
+@pytest.mark.slow  # 44 s; one update on two FSDP ranks equals one rank in the default run (above)
 def test_a_run_on_two_fsdp_ranks_trains_as_one_rank_and_its_checkpoint_loads_on_one(ray_cluster, tmp_path):
     """The runner's split of the rollout workers' trajectories over actor ranks (one trajectory
     cut in two here), the sharded weight sync and a whole-state checkpoint another rank count loads."""

@@ -105,6 +105,7 @@ def test_cli_eval_on_libero_writes_the_per_task_table_and_a_video_per_task(ray_c
     assert len(frames) == 5 and frames[0].shape[1] == 2 * frames[0].shape[0]  # agentview | wrist
 
 
+@pytest.mark.slow  # 44 s; test_libero.py checks the reference rendering against the authors' pixels by default
 def test_eval_of_a_public_checkpoint_config_shows_the_policy_robosuites_default_render(ray_cluster):
     """The shipped tiny L1 OFT fixture evaluated with its public config (256 px, ``reference``
     rendering), through the eval's own workers and env processes: the episode's first frame (both

@@ -258,6 +258,7 @@ def test_success_comes_from_the_task_predicate():
         env.close()
 
 
+@pytest.mark.slow  # 20 s; the LIBERO eval CLI test (test_eval_protocol.py) runs two tasks on two envs
 def test_vec_env_mixes_tasks_across_processes():
     from embodied.config import compose
     from envs.registry import make_vec_env

@@ -17,7 +17,9 @@ SMALL = ["env.num_envs=4", "placement.env_workers=2", "algorithm.rollout_steps=1
          "runner.eval_every=0", "runner.checkpoint_every=1", "runner.progress=false"]
 
 
-@pytest.mark.parametrize("policy", ["mlp", "mlp_tokens", "mlp_flow policy.flow.method=noise"])
+@pytest.mark.parametrize("policy", [
+    pytest.param("mlp", marks=pytest.mark.slow),  # the Gaussian MLP trains in most other tests of this file
+    "mlp_tokens", "mlp_flow policy.flow.method=noise"])
 def test_training_changes_parameters_and_checkpoint_reloads_to_identical_actions(ray_cluster, tmp_path, policy):
     cfg = small_config(f"runner.run_dir={tmp_path}", "runner.total_env_steps=120", *f"policy={policy}".split())
     trainer = Trainer(cfg, tmp_path)
