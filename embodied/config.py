@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from embodied.algorithm_config import AlgorithmConfig
 from embodied.config_ranges import check_ranges, ranged
 from embodied.policy_config import PolicyConfig, moved_policy_key, upgrade_saved_policy
 from envs.common import UserError, unknown_name_error
@@ -52,56 +53,6 @@ class EnvConfig:
     # evaluations do. None: true for PPO, false for GRPO, which scores an episode by its return, so a
     # quick success must not score a shorter, smaller dense return than a failure that lasts
     success_ends_episode: bool | None = None
-
-
-@dataclass
-class AlgorithmConfig:
-    name: str = "ppo"  # the algorithm (embodied/algorithms/registry.py: ppo, grpo); configs/algorithm/ files set it
-    advantage: str = "gae"  # registered in embodied/algorithms/advantages.py
-    loss: str = "ppo"  # registered in embodied/algorithms/losses.py
-    lr: float = ranged(3e-4, 0, above=True)
-    anneal_lr: bool = False  # linearly decay lr to 0 over runner.total_env_steps
-    gamma: float = ranged(0.8, 0, 1)
-    gae_lambda: float = ranged(0.9, 0, 1)
-    # decisions per env per iteration (env steps; action chunks of chunk_size steps for chunked VLAs);
-    # None: one episode, the env's max_episode_steps
-    rollout_steps: int | None = ranged(25, 1)
-    update_epochs: int = ranged(8, 1)
-    num_minibatches: int = ranged(16, 1)
-    clip_coef: float = ranged(0.2, 0, above=True)
-    # upper ratio clip 1 + this (asymmetric, "clip-higher"); None: clip_coef
-    clip_coef_high: float | None = ranged(None, 0, above=True)
-    clip_vloss: bool = False
-    vf_coef: float = ranged(0.5, 0)
-    ent_coef: float = ranged(0.0)  # entropy bonus weight (any sign)
-    max_grad_norm: float = ranged(0.5, 0, above=True)
-    target_kl: float | None = ranged(0.1, 0, above=True)  # stop an update's epochs early past this KL
-    normalize_advantages: bool = True
-    # what one PPO ratio covers for token policies (VLAs): "token" (one ratio per action token),
-    # "action" (the sum over an action's tokens) or "chunk" (over a whole action chunk); a Gaussian
-    # policy's log-prob is already one action's. See embodied/algorithms/logprob_levels.py
-    logprob_level: str = "action"
-    # where an episode ends, add gamma * V(final obs) to the reward at: "all_ends" (ManiSkill's
-    # convention: success ends an episode only to reset the env, its value carries on),
-    # "time_limit" (truncations only: terminations are true terminal states) or "none"
-    bootstrap: str = "all_ends"
-    # GRPO (advantage: grpo): envs per group. Every iteration the envs are reset, a group's envs
-    # from one initial state (one seed), and each env's first episode is scored by its outcome
-    # (its return) against its group's: A = (R - mean) / (std + 1e-6); later steps are not trained on
-    group_size: int = ranged(1, 1)
-    filter_uniform_groups: bool = False  # GRPO: drop groups whose episodes all scored the same (A = 0)
-    # GRPO: "episode" weighs every episode the same in the loss (the GRPO paper's 1/|o_i|), "step"
-    # every step (DAPO's token-level sum: long, usually failed, episodes count more)
-    grpo_weighting: str = "episode"
-    # PPO from a warm start: the first N updates train only the critic (no policy loss; only the
-    # policy's critic parameters step), so a fresh value head's random advantages never move the
-    # warm-started actor. 0: actor and critic from the first update
-    critic_warmup_iterations: int = ranged(0, 0)
-    # learning rate of the critic's own parameters (a VLA's new value head needs a far larger one than
-    # the fine-tuned backbone); None: algorithm.lr. anneal_lr scales both alike
-    critic_lr: float | None = ranged(None, 0, above=True)
-    # beta of a KL(policy || warm start) penalty on the sampled actions' log-probs (0: none)
-    kl_coef: float = ranged(0.0, 0)
 
 
 @dataclass

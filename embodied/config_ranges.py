@@ -42,5 +42,5 @@ def check_ranges(cfg, prefix: str = "") -> None:
             check_ranges(value, f"{prefix}{key.name}.")
         elif allowed is not None and value is not None and not allowed.holds(value):
             raise UserError(f"{prefix}{key.name}={value} is out of range: it must be {allowed.describe()} "
-                            f"({type(cfg).__name__} in embodied/config.py or embodied/policy_config.py says "
-                            "what it means). Fix the override or the yaml file that sets it.")
+                            f"({type(cfg).__name__} in embodied/config.py, algorithm_config.py or policy_config.py "
+                            "says what it means). Fix the override or the yaml file that sets it.")

@@ -36,6 +36,8 @@ class NetConfig:
     # "gaussian" (a Gaussian's log-density at the bins: learns from scratch as policy=mlp does) or
     # "logits" (free, as a VLA's LM head: from scratch, far slower; docs/results/rl_from_scratch)
     token_head: str = "gaussian"
+    num_q: int = ranged(2, 1)  # mlp_sac only: Q critics; SAC's target takes the smallest of them
+    q_layer_norm: bool = True  # mlp_sac only: LayerNorm after each hidden layer of the critics (RLPD, ManiSkill's SAC)
 
 
 @dataclass

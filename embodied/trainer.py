@@ -84,6 +84,8 @@ class Trainer:
             self.log.note("placement", f"auto, from {auto.profile_path}:\n{auto.choice.markdown(limit=12)}")
         ranks = "" if self.workers.data_parallel == "single" else f"; actor ranks: {self.workers.data_parallel}"
         self.log.note("placement", self.workers.plan.describe() + ranks)
+        for line in self.algorithm.describe(self.workers.obs_spec, self.workers.action_dim):
+            self.log.note("algorithm", line)
         for line in self.workers.notes:
             self.log.text("checkpoint", line)  # printed already, before the workers started
         self.iteration_seconds: list[float] = []

@@ -13,6 +13,7 @@ def _import_policies() -> None:
     import policies.cnn  # noqa: F401  (each module registers its policies)
     import policies.mlp  # noqa: F401
     import policies.mlp_flow  # noqa: F401
+    import policies.mlp_sac  # noqa: F401
     import policies.mlp_tokens  # noqa: F401
     import policies.random  # noqa: F401
     import policies.vla.oft  # noqa: F401

@@ -31,8 +31,8 @@ def test_ppo_ignores_a_group_size_it_has_no_use_for():
 
 def test_an_unknown_algorithm_name_lists_the_registered_ones():
     with pytest.raises(UserError) as err:
-        make_algorithm(compose(["algorithm.name=sac"]).algorithm)
-    assert "sac" in str(err.value) and {"ppo", "grpo"} <= set(ALGORITHMS)
+        make_algorithm(compose(["algorithm.name=sacc"]).algorithm)
+    assert "sacc" in str(err.value) and {"ppo", "grpo", "sac"} <= set(ALGORITHMS)
     assert all(name in str(err.value) for name in ALGORITHMS)
 
 

@@ -100,6 +100,7 @@ def test_rowwise_exact_gives_each_row_the_bits_of_the_whole_batch(fn, width):
     ("mlp_tokens", {"state": ((42,), "float32")}),
     ("mlp_flow", {"state": ((42,), "float32")}),
     ("mlp_flow policy.flow.method=noise", {"state": ((42,), "float32")}),
+    ("mlp_sac", {"state": ((42,), "float32")}),
     ("cnn", {"rgb": ((64, 64, 3), "uint8"), "state": ((25,), "float32")}),
 ])
 def test_batch_invariant_inference_matches_any_split(name, obs_spec):

@@ -102,6 +102,11 @@ class Algorithm:
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict`'s output (a resumed run)."""
 
+    def describe(self, obs_spec: dict, action_dim: int) -> list[str]:
+        """Lines for the run log about what the algorithm holds beside the policy (a replay buffer's
+        memory); none by default. ``obs_spec``: the env's observations (name -> (shape, dtype))."""
+        return []
+
     def check(self, run_cfg, rollout_only: bool = False) -> None:
         """Raise a :class:`~envs.common.UserError` (naming the fix) for what this algorithm cannot
         train with in ``run_cfg`` (a ``TrainConfig``). ``rollout_only``: the workers will only roll

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from embodied.algorithms import grpo, ppo  # noqa: F401  (each module registers its algorithm)
+from embodied.algorithms import grpo, ppo, sac  # noqa: F401  (each module registers its algorithm)
 from embodied.algorithms.base import ALGORITHMS, Algorithm
 
 
