@@ -28,6 +28,7 @@ def check_run_config(cfg: TrainConfig, rollout_only: bool = False) -> list[str]:
     check_placement(cfg.placement, cfg.env.num_envs)
     resolve_strategy(cfg.placement.data_parallel, parameters=0)
     make_algorithm(cfg.algorithm).check(cfg, rollout_only)  # its names, and the rules it puts on the run
+    _check_collection(cfg)
     _check_final_weights(cfg)
     return notes
 
@@ -71,3 +72,26 @@ def _check_final_weights(cfg: TrainConfig) -> None:
         raise UserError("runner.final_weights=best keeps the weights of the best periodic validation, but "
                         "runner.eval_every=0 runs none. Set runner.eval_every=N (validate every N iterations) "
                         "or runner.final_weights=last.")
+
+
+COLLECTIONS = ("sync", "async")  # runner.collection (embodied/collection.py)
+
+
+def _check_collection(cfg: TrainConfig) -> None:
+    """Asynchronous collection trains on data of older weights: off-policy algorithms only."""
+    runner = cfg.runner
+    if runner.collection not in COLLECTIONS:
+        raise unknown_name_error("runner.collection", runner.collection, list(COLLECTIONS))
+    algorithm = make_algorithm(cfg.algorithm)
+    if runner.collection == "async" and not algorithm.off_policy:
+        raise UserError(f"runner.collection=async lets the envs collect with older weights while the actor "
+                        f"updates, but algorithm={cfg.algorithm.name} learns only from the weights that collected "
+                        "its data. Use an off-policy algorithm (algorithm=sac), or runner.collection=sync.")
+    if runner.weight_sync_every > 1 and runner.collection != "async":
+        raise UserError(f"runner.weight_sync_every={runner.weight_sync_every} spaces the weight syncs of "
+                        "asynchronous collection; with runner.collection=sync every rollout uses the latest "
+                        "weights. Set runner.collection=async (off-policy algorithms), or drop the key.")
+    if runner.collection == "async" and cfg.placement.offload == "always":
+        raise UserError("runner.collection=async runs the rollout and the update at once, so neither can give "
+                        "its devices to the other: placement.offload=always cannot be kept. Set "
+                        "placement.offload=never (or auto).")

@@ -146,6 +146,11 @@ class RunnerConfig:
     # the first periodic evaluation whose success_once reaches this marks the run solved: its training time is
     # the time/solved_minutes scalar and eval.json's training.solved_minutes
     solved_success: float = ranged(0.9, 0, 1, above=True)
+    # how iterations get their rollouts (embodied/collection.py): "sync" (weight sync, rollout, update, in
+    # lockstep) or "async" (off-policy algorithms: the next rollout runs while the actor updates, with the
+    # weights synced every weight_sync_every iterations; train/policy_lag says how many updates behind they were)
+    collection: str = "sync"
+    weight_sync_every: int = ranged(1, 1)  # collection=async: iterations between weight syncs
     checkpoint_every: int = ranged(10, 1)  # iterations between checkpoints
     # ckpt_<iteration>.pt files kept: older ones are deleted once a newer one is written (best.pt is never)
     keep_checkpoints: int = ranged(3, 1)

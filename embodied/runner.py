@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
@@ -34,6 +35,15 @@ from scheduler.runtime.layout import BatchLayout
 from scheduler.runtime.plan import ClusterDevices
 from scheduler.runtime.weight_sync_strategies import make_weight_sync
 from scheduler.runtime.worker import WorkerGroup, wait_ready
+
+
+@dataclass
+class RolloutCall:
+    """A rollout in flight: the env and rollout workers' result refs, and when it started."""
+
+    env_refs: list
+    trajectory_refs: list
+    started: float
 
 
 class Workers:
@@ -124,22 +134,31 @@ class Workers:
     def rollout_steps(self, num_steps: int, iteration: int = 0) -> tuple[list[dict], list, dict]:
         """Collect ``num_steps`` per env (``iteration``: whose rollout noise to draw, so a redone
         iteration samples as the first try did). Returns (finished episodes, trajectory refs, stage times)."""
-        t0 = time.perf_counter()
+        return self.finish_rollout(self.start_rollout(num_steps, iteration))
+
+    def start_rollout(self, num_steps: int, iteration: int = 0) -> RolloutCall:
+        """Start :meth:`rollout_steps`'s collection and return at once (asynchronous collection:
+        the envs step while the actor updates); :meth:`finish_rollout` waits for it."""
         env_refs = self.env.call_async("interact", num_steps, self.channel)
         trajectory_refs = self.rollout.call_async("collect", num_steps, self.channel, iteration)
+        return RolloutCall(env_refs, trajectory_refs, time.perf_counter())
+
+    def finish_rollout(self, call: RolloutCall) -> tuple[list[dict], list, dict]:
+        """Wait for a started rollout; returns what :meth:`rollout_steps` does."""
         # the trajectories stay in the object store (they go to the actor, never via the driver)
-        everything = self.watchdog.get(env_refs + trajectory_refs, "rollout", fetch=False, inspect=env_refs)
-        env_out = everything[:len(env_refs)]
+        everything = self.watchdog.get(call.env_refs + call.trajectory_refs, "rollout", fetch=False,
+                                       inspect=call.env_refs)
+        env_out = everything[:len(call.env_refs)]
         rollout_times = self.rollout.call("last_times")
         times = {
-            "rollout_s": time.perf_counter() - t0,
+            "rollout_s": time.perf_counter() - call.started,
             "env_sim_s": max(out.sim_s for out in env_out),
             "env_step_s": max(out.step_s for out in env_out),
             "env_wait_s": max(out.wait_s for out in env_out),
             "infer_s": max(t["infer_s"] for t in rollout_times),
             "infer_wait_s": max(t["wait_s"] for t in rollout_times),
         }
-        return [row for out in env_out for row in out.episodes], trajectory_refs, times
+        return [row for out in env_out for row in out.episodes], call.trajectory_refs, times
 
     def update(self, trajectory_refs: list, iteration: int = 0) -> tuple[dict, dict]:
         """Give the devices to the actor and run the algorithm's update of training ``iteration``.

@@ -26,6 +26,7 @@ from embodied.checkpoint import (
     save_best_checkpoint,
     save_checkpoint,
 )
+from embodied.collection import make_collector
 from embodied.config import TrainConfig, to_yaml
 from embodied.evaluate import recording_episodes, summarize
 from embodied.recovery import FaultLog, Recovery
@@ -73,6 +74,8 @@ class Trainer:
                 self.workers.load_actor_state(warm_start["actor"], weights_only=True)
             self.workers.actor.call("freeze_reference")  # algorithm.kl_coef's reference: the starting weights
         self.steps_per_iteration = self.workers.layout.env_steps(self.workers.steps_per_rollout)
+        # runner.collection: each iteration's rollout in lockstep with the updates, or while the actor updates
+        self.collector = make_collector(self.workers, cfg.runner.collection, cfg.runner.weight_sync_every)
         self.algorithm = make_algorithm(cfg.algorithm)
         # e.g. GRPO: every iteration starts fresh episodes, a group's envs from one initial state
         self.episodic = self.algorithm.episodic
@@ -181,6 +184,7 @@ class Trainer:
         return self.progress.train_seconds / 60, self.progress.iteration
 
     def _recovered(self) -> None:
+        self.collector.forget()  # a rollout in flight was broken with the call
         if not self.episodic and "reset" not in self.todo:
             self.todo.insert(0, "reset")  # the aborted call left episodes half-run
         self.log.scalars(self.faults.scalars(), self.progress.env_steps)
@@ -219,6 +223,7 @@ class Trainer:
 
     def _reset_envs(self) -> None:
         """New training episodes, seeded by the iteration: a resumed run does not replay its first ones."""
+        self.collector.settle()  # a rollout still in flight keeps the envs
         self.workers.reset_envs(self.progress.iteration, self.progress.env_steps // self.cfg.env.num_envs,
                                 self.algorithm.group_size, self.success_ends_episode)
 
@@ -228,17 +233,17 @@ class Trainer:
         t0 = time.perf_counter()
         if self.episodic:
             self._reset_envs()
-        sync = self.workers.prepare_generation()
-        episodes, trajectories, times = self.workers.rollout_steps(self.workers.steps_per_rollout, p.iteration)
-        stats, update_times = self.workers.update(trajectories, p.iteration)
+        collected = self.collector.collect(p.iteration)
+        episodes = collected.episodes
+        stats, update_times = self.workers.update(collected.trajectories, p.iteration)
         if stats.get("samples", 1.0) == 0:  # say it where a person looks, not only in TensorBoard
             self.log.note("update", f"iteration {p.iteration + 1} trained on nothing: {self.algorithm.nothing_trained}")
         t2 = time.perf_counter()
         self.iteration_seconds.append(t2 - t0)
         p.iteration += 1
         p.env_steps += self.steps_per_iteration
-        scalars = {f"train/{k}": v for k, v in stats.items()}
-        scalars.update({f"time/{k}": v for k, v in {**sync, **times, **update_times}.items()})
+        scalars = {f"train/{k}": v for k, v in stats.items()} | {"train/policy_lag": collected.policy_lag}
+        scalars.update({f"time/{k}": v for k, v in {**collected.times, **update_times}.items()})
         scalars.update({
             "time/iteration_s": t2 - t0,
             "time/env_steps_per_s": self.steps_per_iteration / (t2 - t0),
@@ -261,6 +266,7 @@ class Trainer:
         # validation seeds, disjoint from the final evaluation's: stopping early on the
         # episodes that are then reported would flatter the result
         episodes = cfg.runner.validation_episodes or cfg.env.num_envs
+        self.collector.settle()  # the envs finish a rollout in flight first
         seeds = validation_seeds(cfg.env, RunSeeds(cfg.runner.seed), episodes)
         rows, _ = self.workers.evaluate(seeds, cfg.eval.deterministic)
         success = _mean(rows, "success_once")
@@ -278,6 +284,7 @@ class Trainer:
         ``eval.video_episodes`` of them as they run (kept in ``final_videos``: episode index ->
         frames)."""
         cfg = self.cfg
+        self.collector.settle()
         weights = self._load_final_weights()
         seeds = seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)
         record = set(recording_episodes(seeds, cfg.env, cfg.eval.video_episodes))

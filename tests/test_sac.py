@@ -182,6 +182,20 @@ def test_sac_refuses_a_policy_without_q_critics_and_several_actor_ranks():
         check_run_config(compose(["algorithm=sac", "policy=mlp_sac", "placement.actor_workers=2"]))
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["runner.collection=async"], ["algorithm=ppo", "off-policy", "runner.collection=sync"]),
+    (["algorithm=sac", "policy=mlp_sac", "runner.weight_sync_every=3"], ["runner.collection=async"]),
+    (["algorithm=sac", "policy=mlp_sac", "runner.collection=later"], ["runner.collection", "async"]),
+    (["algorithm=sac", "policy=mlp_sac", "runner.collection=async", "placement.offload=always"],
+     ["placement.offload=never"]),
+    (["algorithm=sac", "policy=mlp_sac", "placement.mode=auto"], ["placement.mode=colocated"]),
+])
+def test_collection_mistakes_are_refused_before_workers_start(overrides, words):
+    with pytest.raises(UserError) as err:
+        check_run_config(compose(overrides))
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
 # -- the update ------------------------------------------------------------------------------------
 def _random_batch(seed: int, steps: int = 4, envs: int = 8) -> Trajectory:
     g = torch.Generator().manual_seed(seed)
@@ -282,3 +296,45 @@ def test_without_save_buffer_a_checkpoint_holds_no_transitions():
     sac.update(policy, sac.make_optimizer(policy), _random_batch(0))
     assert sac.state_dict()["buffer"] is None
     assert math.isclose(sac.state_dict()["log_alpha"].item(), math.log(0.2), rel_tol=1e-6)
+
+
+# -- a whole run -----------------------------------------------------------------------------------
+def test_sac_trains_checkpoints_its_buffer_and_a_resumed_run_continues_it(ray_cluster, tmp_path):
+    """Real workers: 3 iterations of 4 envs x 10 steps collected asynchronously (weights synced every
+    2), updates from the second; a resumed run (in lockstep) loads the 120 transitions, the target
+    critics and the step count, and its first update adds to them."""
+    from embodied.checkpoint import load_checkpoint
+    from embodied.trainer import Trainer
+    from tests.conftest import small_config, tb_scalars
+
+    sac_run = ["algorithm=sac", "policy=mlp_sac", "policy.net.hidden_sizes=[32,32]", "algorithm.rollout_steps=10",
+               "algorithm.sac.learning_starts=41", "algorithm.sac.batch_size=16", "runner.checkpoint_every=1",
+               "runner.eval_every=0", "eval.episodes=4", "eval.video_episodes=0"]
+    cfg = small_config(f"runner.run_dir={tmp_path}", "runner.total_env_steps=120", "runner.collection=async",
+                       "runner.weight_sync_every=2", *sac_run)
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        before = trainer.workers.actor.call("get_weights")[0]
+        trainer.train()
+        after = trainer.workers.actor.call("get_weights")[0]
+    finally:
+        trainer.close()
+    assert all(not torch.equal(before[k], after[k]) for k in before), "every parameter trains"
+    state = load_checkpoint(tmp_path)
+    saved = state["actor"]["algorithm"]
+    assert saved["buffer"]["size"] == 120 and saved["gradient_steps"] == 40  # utd 0.5 x 2 iterations of 40
+    assert tb_scalars(tmp_path, "train/buffer_size")[-1] == (120, 120.0)
+    # rollout 1 ran during update 0 with the first weights; rollout 2 during update 1, still with them
+    assert [lag for _, lag in tb_scalars(tmp_path, "train/policy_lag")] == [0, 1, 2]
+    assert all(tb_scalars(tmp_path, f"train/{k}") for k in ("q_loss", "alpha", "q_mean", "replay_ratio", "entropy"))
+
+    resumed = small_config(f"runner.run_dir={tmp_path}", "runner.total_env_steps=160", *sac_run)
+    trainer = Trainer(resumed, tmp_path, resume_from=state)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert tb_scalars(tmp_path, "train/buffer_size")[-1] == (160, 160.0)
+    assert tb_scalars(tmp_path, "train/gradient_steps")[-1] == (160, 60.0)
+    assert tb_scalars(tmp_path, "train/policy_lag")[-1] == (160, 0.0)
+

@@ -63,11 +63,15 @@ class Algorithm:
       collects whole episodes, which the update scores by their outcome; otherwise rollouts of
       ``algorithm.rollout_steps`` continue the episodes of the iteration before;
     - ``nothing_trained``: why an update may find no sample to train on (shown on the console
-      when one does); empty if it cannot happen.
+      when one does); empty if it cannot happen;
+    - ``off_policy``: it learns from data older weights collected, so rollouts may run while it
+      updates (``runner.collection=async``).
     """
 
     episodic: ClassVar[bool] = False
     nothing_trained: ClassVar[str] = ""
+    # learns from data collected by older weights (a replay buffer): it may collect asynchronously
+    off_policy: ClassVar[bool] = False
 
     def __init__(self, cfg):
         """``cfg``: the run's ``AlgorithmConfig`` (embodied/config.py documents its keys)."""

@@ -59,6 +59,8 @@ def check_soft_actor_critic(policy_name: str) -> None:
 class SAC(Algorithm):
     """Soft actor-critic over a replay buffer (module docstring)."""
 
+    off_policy = True
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.sac = cfg.sac
