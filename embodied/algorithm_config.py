@@ -15,7 +15,7 @@ from embodied.config_ranges import ranged
 
 @dataclass
 class SACConfig:
-    """``algorithm.sac``: soft actor-critic (embodied/algorithms/sac.py)."""
+    """``algorithm.sac``: soft actor-critic (embodied/algorithms/sac.py), and demo-mixed (RLPD)."""
 
     buffer_size: int = ranged(1_000_000, 1)  # replay capacity in transitions (the oldest are overwritten)
     # keep the replay buffer in checkpoints, so `resume=` continues with it (its size is in the run log);
@@ -35,6 +35,10 @@ class SACConfig:
     # bootstrap the target from n steps ahead: r_t + ... + gamma^(n-1) r_(t+n-1) + gamma^n V(s_(t+n)), cut at
     # episode ends and at the end of an iteration's rollout (then fewer steps, discounted as many)
     n_step: int = ranged(1, 1)
+    # RLPD: the share of every batch drawn from demonstrations, the motion-planner demos `embodied sft` uses
+    # (sft.demos of them, from sft.demo_seed on, cached in sft.demos_dir); 0: plain SAC. RLPD draws half,
+    # with LayerNorm critics (policy.net.q_layer_norm, on by default)
+    demo_fraction: float = ranged(0.0, 0, 1)
 
 
 @dataclass

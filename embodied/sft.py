@@ -34,7 +34,8 @@ from scheduler.runtime.worker import WorkerGroup
 def demos_for(cfg: TrainConfig, progress: bool) -> Demos:
     """The run's demos from the cache, or recorded now and cached."""
     e, s = cfg.env, cfg.sft
-    name = f"{e.task}-{e.obs_mode}{e.image_size}-{s.demos}demos-seed{s.demo_seed}.pt"
+    # v2: demos with rewards, success flags and next observations (RLPD); older caches lack them
+    name = f"{e.task}-{e.obs_mode}{e.image_size}-{s.demos}demos-seed{s.demo_seed}-v2.pt"
     path = Path(s.demos_dir) / name
     if path.exists():
         return Demos.load(path)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from embodied.algorithms.registry import make_algorithm
+from embodied.algorithms.replay import demo_transitions
 from embodied.checkpoint import (
     BEST,
     Progress,
@@ -32,6 +33,7 @@ from embodied.evaluate import recording_episodes, summarize
 from embodied.recovery import FaultLog, Recovery
 from embodied.run_logger import RunLogger
 from embodied.runner import start_workers
+from embodied.sft import demos_for
 from envs.common import UserError
 from envs.registry import seed_scheme, validation_seeds
 from envs.seeds import RunSeeds
@@ -89,6 +91,8 @@ class Trainer:
         self.log.note("placement", self.workers.plan.describe() + ranks)
         for line in self.algorithm.describe(self.workers.obs_spec, self.workers.action_dim):
             self.log.note("algorithm", line)
+        self.demos = self._demos() if self.algorithm.uses_demos else None  # RLPD: what the actor also draws from
+        self._give_demos()
         for line in self.workers.notes:
             self.log.text("checkpoint", line)  # printed already, before the workers started
         self.iteration_seconds: list[float] = []
@@ -101,6 +105,19 @@ class Trainer:
         self.recovery = Recovery(self.workers, self.faults, note=lambda line: self.log.note("fault", line),
                                  restore_actor=self._restore_actor, now=self._when, give_up=self._stop,
                                  recovered=self._recovered)
+
+    def _demos(self):
+        """The demos' transitions (recorded once by the task's motion planner, then cached, as `embodied sft`'s)."""
+        demos = demos_for(self.cfg, self.cfg.runner.progress)
+        transitions = demo_transitions(demos, self.cfg.algorithm.gamma, self.cfg.algorithm.bootstrap == "all_ends")
+        self.log.note("algorithm", f"{len(transitions)} transitions from {len(demos.seeds)} demos of {demos.task} make "
+                                   f"{self.cfg.algorithm.sac.demo_fraction:.0%} of every batch")
+        return transitions
+
+    def _give_demos(self) -> None:
+        """Hand the demos to the actor (at start, and to a restarted actor group)."""
+        if self.demos is not None:
+            self.workers.actor.call("load_demos", self.demos)
 
     # -- checkpoints ------------------------------------------------------------
     def _state(self) -> dict:
@@ -206,6 +223,7 @@ class Trainer:
                 self.workers.load_actor_state(state["actor"], weights_only=True)
             self.workers.actor.call("freeze_reference")
             back_to = self.started_from
+        self._give_demos()
         lost = p.iteration - back_to.iteration
         p.iteration, p.env_steps = back_to.iteration, back_to.env_steps
         self.todo = []  # the validation or checkpoint of a rolled-back iteration comes again with it

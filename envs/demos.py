@@ -8,7 +8,9 @@ PD controller sees the same targets. Replayed in ``pd_joint_delta_pos``, 19 of 2
 PushCube / PickCube demos succeed again (the 20th misses by a clipped step).
 
 Shapes: ``obs[k]: [N, ...]`` (the env's observations, e.g. ``rgb`` uint8 ``[N, H, W, 3]``),
-``actions: [N, A]``, ``episode: [N]`` (which demo a step belongs to).
+``actions: [N, A]``, ``episode: [N]`` (which demo a step belongs to); for off-policy RL on demos
+(RLPD), ``rewards: [N]`` (the env's reward for the step, ``env.reward_mode``), ``success: [N]``
+(the task was solved after the step) and ``next_obs[k]: [N, ...]`` (the observation it led to).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class Demos:
     seeds: list[int]  # the reset seed of each kept demo
     task: str
     instruction: str
+    rewards: torch.Tensor
+    success: torch.Tensor
+    next_obs: dict[str, torch.Tensor]
 
     def __len__(self) -> int:
         return self.actions.shape[0]
@@ -78,6 +83,9 @@ class _Recorder:
         self.env = env
         self.obs: list[dict] = []
         self.actions: list[np.ndarray] = []
+        self.next_obs: list[dict] = []
+        self.rewards: list[float] = []
+        self.successes: list[bool] = []
         self.success = False
 
     def __getattr__(self, name):  # the planner reads env.unwrapped, action_space, ...
@@ -86,6 +94,7 @@ class _Recorder:
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
         self.obs, self.actions, self.success, self._last = [], [], False, obs
+        self.next_obs, self.rewards, self.successes = [], [], []
         return obs, info
 
     def step(self, action):
@@ -96,7 +105,10 @@ class _Recorder:
         self.actions.append(np.concatenate([delta, target[7:]]).astype(np.float32))
         obs, reward, terminated, truncated, info = self.env.step(action)
         self._last = obs
-        self.success |= bool(info["success"][0])
+        self.next_obs.append({k: v[0].cpu() for k, v in as_obs_dict(obs).items()})
+        self.rewards.append(float(reward[0]))
+        self.successes.append(bool(info["success"][0]))
+        self.success |= self.successes[-1]
         return obs, reward, terminated, truncated, info
 
 
@@ -108,7 +120,7 @@ def generate_demos(env_cfg, episodes: int, seed: int, progress: bool = True) -> 
     spec = ManiSkillSpec(env_cfg.task, env_cfg.obs_mode, "pd_joint_pos", env_cfg.reward_mode,
                          4 * default_max_episode_steps(env_cfg.task), env_cfg.image_size, env_cfg.render_size, "cpu")
     env = _Recorder(make_gym_env(spec, num_envs=1, sim_backend="physx_cpu"))
-    obs, actions, episode, seeds = [], [], [], []
+    obs, actions, episode, seeds, next_obs, rewards, success = [], [], [], [], [], [], []
     bar = tqdm(total=episodes, unit="demo", desc="demos", disable=not progress, file=sys.stderr)
     try:
         for s in range(seed, seed + 2 * episodes):
@@ -119,12 +131,18 @@ def generate_demos(env_cfg, episodes: int, seed: int, progress: bool = True) -> 
                 continue
             obs += env.obs
             actions += env.actions
+            next_obs += env.next_obs
+            rewards += env.rewards
+            success += env.successes
             episode += [len(seeds)] * len(env.actions)
             seeds.append(s)
             bar.update(1)
     finally:
         bar.close()
         env.env.close()
-    stacked = {k: torch.stack([o[k] for o in obs]) for k in obs[0]}
-    return Demos(stacked, torch.from_numpy(np.stack(actions)), torch.tensor(episode), seeds, env_cfg.task,
-                 instruction_for(env_cfg.task))
+    def stacked(steps: list[dict]) -> dict[str, torch.Tensor]:
+        return {k: torch.stack([o[k] for o in steps]) for k in steps[0]}
+
+    return Demos(stacked(obs), torch.from_numpy(np.stack(actions)), torch.tensor(episode), seeds, env_cfg.task,
+                 instruction_for(env_cfg.task), torch.tensor(rewards, dtype=torch.float32), torch.tensor(success),
+                 stacked(next_obs))

@@ -147,6 +147,44 @@ def test_buffer_memory_is_stated_for_a_full_buffer():
     assert "MiB" in sac.describe({"state": ((42,), torch.float32)}, 8)[0]
 
 
+def _demos():
+    """Two demos: the first solves the task at its 2nd of 4 steps, the second at its last of 3."""
+    from envs.demos import Demos
+
+    ids = torch.arange(7, dtype=torch.float32)
+    return Demos({"state": ids[:, None].expand(7, STATE).clone()}, torch.ones(7, ACTIONS),
+                 torch.tensor([0, 0, 0, 0, 1, 1, 1]), [5, 6], "PushCube-v1", "push",
+                 rewards=ids / 10, success=torch.tensor([False, True, True, False, False, False, True]),
+                 next_obs={"state": ids[:, None].expand(7, STATE) + 0.5})
+
+
+@pytest.mark.parametrize("bootstraps_terminal", [False, True])
+def test_demo_transitions_end_each_demo_where_it_first_solves_the_task(bootstraps_terminal):
+    from embodied.algorithms.replay import demo_transitions
+
+    t = demo_transitions(_demos(), 0.8, bootstraps_terminal)
+    assert t.obs["state"][:, 0].tolist() == [0, 1, 4, 5, 6]  # demo 0 after its success is not an episode
+    torch.testing.assert_close(t.rewards, torch.tensor([0.0, 0.1, 0.4, 0.5, 0.6]))
+    terminal = 0.8 if bootstraps_terminal else 0.0
+    torch.testing.assert_close(t.discounts, torch.tensor([0.8, terminal, 0.8, 0.8, terminal]))
+    torch.testing.assert_close(t.next_obs["state"][:, 0], torch.tensor([0.5, 1.5, 4.5, 5.5, 6.5]))
+
+
+def test_rlpd_draws_its_share_of_every_batch_from_the_demos():
+    _, sac = _sac("algorithm.sac.demo_fraction=0.25", "algorithm.sac.batch_size=40")
+    assert sac.uses_demos
+    sac.buffer.add(_numbered(100, 50))
+    sac.load_demos(_numbered(0, 5))
+    batch = sac.sample(torch.Generator().manual_seed(0))
+    assert len(batch) == 40 and int((batch.rewards < 5).sum()) == 10
+
+
+def test_rlpd_needs_a_task_with_a_motion_planner():
+    with pytest.raises(UserError, match="no planner"):
+        check_run_config(compose(["algorithm=sac", "policy=mlp_sac", "algorithm.sac.demo_fraction=0.5",
+                                  "env.task=LiftPegUpright-v1"]))
+
+
 # -- the policy ------------------------------------------------------------------------------------
 def _policy(seed: int = 0, *overrides: str):
     torch.manual_seed(seed)
@@ -338,3 +376,9 @@ def test_sac_trains_checkpoints_its_buffer_and_a_resumed_run_continues_it(ray_cl
     assert tb_scalars(tmp_path, "train/gradient_steps")[-1] == (160, 60.0)
     assert tb_scalars(tmp_path, "train/policy_lag")[-1] == (160, 0.0)
 
+
+
+def test_rollouts_act_uniformly_until_the_updates_start():
+    _, sac = _sac("algorithm.sac.learning_starts=256")
+    assert sac.uniform_actions(0) and sac.uniform_actions(255) and not sac.uniform_actions(256)
+    assert not make_algorithm(compose([]).algorithm).uniform_actions(0)  # PPO

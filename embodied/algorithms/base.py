@@ -106,6 +106,20 @@ class Algorithm:
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict`'s output (a resumed run)."""
 
+    def uniform_actions(self, env_steps: int) -> bool:
+        """Whether a training rollout that starts ``env_steps`` env steps into the run acts uniformly at
+        random in the action box instead of with the policy (off-policy warm-up); never by default."""
+        return False
+
+    @property
+    def uses_demos(self) -> bool:
+        """Whether the update also draws from demonstrations (:meth:`load_demos` gives them first)."""
+        return False
+
+    def load_demos(self, demos) -> None:
+        """Keep ``demos`` (``embodied.algorithms.replay.Transitions`` on the actor's device) to train on."""
+        raise NotImplementedError(f"algorithm={self.name} trains on no demonstrations")
+
     def describe(self, obs_spec: dict, action_dim: int) -> list[str]:
         """Lines for the run log about what the algorithm holds beside the policy (a replay buffer's
         memory); none by default. ``obs_spec``: the env's observations (name -> (shape, dtype))."""

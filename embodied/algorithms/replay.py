@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from envs.base import Obs
+
+if TYPE_CHECKING:
+    from envs.demos import Demos
 from envs.messages import Trajectory
 
 
@@ -77,6 +81,21 @@ def transitions(batch: Trajectory, gamma: float, n_step: int, bootstraps: torch.
     return Transitions({k: v.flatten(0, 1) for k, v in batch.obs.items()}, batch.actions.flatten(0, 1),
                        rewards.flatten(), {k: v[last, env].flatten(0, 1) for k, v in batch.next_obs.items()},
                        discounts.flatten())
+
+
+def demo_transitions(demos: Demos, gamma: float, bootstraps_terminal: bool) -> Transitions:
+    """One-step transitions of motion-planner demos (envs/demos.py), as training would have collected
+    them: each demo up to the step that first solves the task, where its episode terminates (the
+    target bootstraps there only if ``bootstraps_terminal``: ``algorithm.bootstrap=all_ends``)."""
+    keep = torch.zeros(len(demos), dtype=torch.bool)
+    for episode in demos.episode.unique():
+        steps = (demos.episode == episode).nonzero().squeeze(1)
+        solved = demos.success[steps].nonzero()
+        keep[steps[: int(solved[0]) + 1 if len(solved) else len(steps)]] = True
+    terminal = demos.success & keep
+    discounts = gamma * (~terminal | bootstraps_terminal).float()
+    return Transitions({k: v[keep] for k, v in demos.obs.items()}, demos.actions[keep].float(), demos.rewards[keep],
+                       {k: v[keep] for k, v in demos.next_obs.items()}, discounts[keep])
 
 
 class ReplayBuffer:

@@ -30,6 +30,7 @@ from torch.func import functional_call
 from embodied.algorithms.base import ALGORITHMS, BOOTSTRAP_MASKS, Algorithm, Collection
 from embodied.algorithms.replay import ReplayBuffer, Transitions, transitions
 from envs.common import UserError
+from envs.demos import PLANNERS
 from envs.messages import Trajectory
 from policies.base import POLICIES
 from policies.registry import check_policy_name
@@ -55,6 +56,14 @@ def check_soft_actor_critic(policy_name: str) -> None:
                         "Use policy=mlp_sac, or an on-policy algorithm (algorithm=ppo, algorithm=grpo).")
 
 
+def check_demos_exist(env_cfg) -> None:
+    """RLPD draws from motion-planner demos: the task must have a planner (envs/demos.py)."""
+    if env_cfg.backend != "maniskill" or env_cfg.task not in PLANNERS:
+        raise UserError(f"algorithm.sac.demo_fraction mixes motion-planner demos into SAC's batches, but "
+                        f"env.backend={env_cfg.backend} env.task={env_cfg.task} has no planner (the ManiSkill tasks "
+                        f"with one: {', '.join(PLANNERS)}). Set algorithm.sac.demo_fraction=0, or one of those tasks.")
+
+
 @ALGORITHMS.register("sac")
 class SAC(Algorithm):
     """Soft actor-critic over a replay buffer (module docstring)."""
@@ -65,6 +74,7 @@ class SAC(Algorithm):
         super().__init__(cfg)
         self.sac = cfg.sac
         self.buffer = ReplayBuffer(cfg.sac.buffer_size)
+        self.demos: ReplayBuffer | None = None  # RLPD (sac.demo_fraction > 0): the demonstrations' transitions
         self.target: dict[str, torch.Tensor] | None = None  # the target critics' parameters, by name
         self.log_alpha = torch.tensor(math.log(cfg.sac.alpha), requires_grad=True)
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=cfg.sac.alpha_lr)
@@ -85,6 +95,8 @@ class SAC(Algorithm):
             raise UserError(f"placement.actor_workers={run_cfg.placement.actor_workers}: SAC trains on one actor "
                             "rank (its replay buffer and target critics are that rank's). Set "
                             "placement.actor_workers=1.")
+        if self.uses_demos:
+            check_demos_exist(run_cfg.env)
         if run_cfg.placement.mode == "auto":
             raise UserError("placement.mode=auto plans on-policy iterations (a rollout, then an update of it); it "
                             "does not model SAC's replay updates yet. Choose a placement for algorithm=sac: "
@@ -99,6 +111,24 @@ class SAC(Algorithm):
         return torch.optim.Adam([
             {"params": [p for p in trainable if id(p) not in critic], "lr": self.cfg.lr, "lr_scale": 1.0},
             {"params": [p for p in trainable if id(p) in critic], "lr": q_lr, "lr_scale": q_lr / self.cfg.lr}])
+
+    def uniform_actions(self, env_steps: int) -> bool:
+        """Until the buffer holds ``sac.learning_starts`` transitions (as CleanRL's and ManiSkill's SAC)."""
+        return env_steps < self.sac.learning_starts
+
+    @property
+    def uses_demos(self) -> bool:
+        return self.sac.demo_fraction > 0
+
+    def load_demos(self, demos: Transitions) -> None:
+        self.demos = ReplayBuffer(len(demos))
+        self.demos.add(demos)
+
+    def sample(self, generator: torch.Generator) -> Transitions:
+        """A batch of ``sac.batch_size``: ``sac.demo_fraction`` of it from the demos (RLPD), the rest replayed."""
+        from_demos = round(self.sac.batch_size * self.sac.demo_fraction) if self.demos is not None else 0
+        replayed = self.buffer.sample(self.sac.batch_size - from_demos, generator)
+        return Transitions.cat([replayed, self.demos.sample(from_demos, generator)]) if from_demos else replayed
 
     def describe(self, obs_spec: dict, action_dim: int) -> list[str]:
         size = ReplayBuffer.bytes_for(self.sac.buffer_size, obs_spec, action_dim)
@@ -140,7 +170,7 @@ class SAC(Algorithm):
         """One critic step on a sampled batch, then (every ``actor_every``) the actor's and the temperature's,
         then (every ``target_every``) the target critics' Polyak step."""
         generator = generator or torch.Generator().manual_seed(0)
-        mb = self.buffer.sample(self.sac.batch_size, generator)
+        mb = self.sample(generator)
         alpha = self.alpha.to(mb.rewards.device)
         with torch.no_grad():
             next_actions, next_logprob = policy.sample(mb.next_obs)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from embodied.algorithms.registry import make_algorithm
+from embodied.algorithms.replay import Transitions
 from envs.messages import Trajectory
 from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
@@ -116,6 +117,10 @@ class ActorWorker(Worker):
             frozen = make_policy(self.policy_cfg, self.obs_spec, self.action_dim).to(self.device)
         frozen.load_state_dict(weights)
         return self.dp.wrap(frozen).eval().requires_grad_(False)
+
+    def load_demos(self, demos: Transitions) -> None:
+        """Give the algorithm demonstrations to train on (RLPD), on this worker's device."""
+        self.algorithm.load_demos(demos.map(lambda x: x.to(self.device)))
 
     def update(self, envs: slice, *trajectories: Trajectory, iteration: int = 0) -> dict[str, float]:
         """The algorithm's update of training ``iteration`` on the rollout workers' ``trajectories``

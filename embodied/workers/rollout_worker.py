@@ -34,7 +34,8 @@ class RolloutWorker(Worker):
     def __init__(self, policy_cfg, algorithm_cfg, obs_spec: dict, action_dim: int, layout: BatchLayout, seed: int,
                  **kwargs):
         super().__init__(**kwargs)
-        self.collection = make_algorithm(algorithm_cfg).collection  # what the algorithm's update needs of a step
+        self.algorithm = make_algorithm(algorithm_cfg)
+        self.collection = self.algorithm.collection  # what the algorithm's update needs of a step
         self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device).eval()
         # micro-batches must get the actions the whole batch would: same kernels per row ...
         set_batch_invariant(self.policy)
@@ -87,6 +88,13 @@ class RolloutWorker(Worker):
         # the policy's own ``actions`` are what was scored
         return actions, logprob, value, self.policy.to_env(actions).cpu()
 
+    def _uniform(self, obs: dict, deterministic: bool, noise: torch.Tensor):
+        """Uniform actions in the [-1, 1] box from the step's standard-normal noise (``policy=random``'s
+        map), log-prob and value 0."""
+        actions = 2 * torch.special.ndtr(noise[:, :self.policy.action_dim]) - 1
+        zeros = torch.zeros(len(actions))
+        return actions, zeros, zeros, actions.clone()
+
     def _get(self, incoming: InOrder) -> StepMessage:
         """Wait for the next micro-batch; the time until the next ``_get`` counts as busy (``infer``)."""
         t0 = time.perf_counter()
@@ -132,6 +140,9 @@ class RolloutWorker(Worker):
         trajectories: dict[tuple[int, int], Trajectory] = {}
         recorders = {stream: TrajectoryRecorder(self.collection, self._value) for stream in self.streams}
         incoming = self._observations(channel, num_steps)
+        # e.g. SAC before its updates start: uniform actions fill the replay buffer
+        warm_up = self.algorithm.uniform_actions(self.layout.env_steps(iteration * num_steps))
+        act = self._uniform if warm_up else self._act
         for t in range(num_steps + 1):
             step_noise: dict[int, torch.Tensor] = {}
             for env_rank, stage in self.streams:
@@ -143,7 +154,7 @@ class RolloutWorker(Worker):
                     trajectories[env_rank, stage] = recorder.finish(msg.obs)
                     continue
                 noise = self._noise(env_rank, stage, step_noise)
-                actions, logprob, value, env_actions = self._act(msg.obs, False, noise)
+                actions, logprob, value, env_actions = act(msg.obs, False, noise)
                 channel.put(env_actions, key=action_key(env_rank, stage))
                 recorder.decision(msg.obs, actions.cpu(), logprob.cpu(), value.cpu())
         self._stop_timing()
