@@ -21,7 +21,7 @@ class SACConfig:
     # keep the replay buffer in checkpoints, so `resume=` continues with it (its size is in the run log);
     # false: a resumed run refills it from scratch
     save_buffer: bool = True
-    batch_size: int = ranged(512, 1)  # transitions per gradient step
+    batch_size: int = ranged(256, 1)  # transitions per gradient step
     learning_starts: int = ranged(4000, 0)  # transitions in the buffer before the first gradient step
     utd: float = ranged(0.5, 0, above=True)  # update-to-data ratio: gradient steps per env step collected
     tau: float = ranged(0.01, 0, 1, above=True)  # Polyak rate of the target critics: target += tau * (Q - target)
