@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from rl_from_scratch import markdown
 from vla_sft_rl import run
 
 from embodied.run_logger import read_scalars
@@ -55,12 +56,6 @@ def row(name: str, seed: int, run_dir: Path, target: float) -> dict:
             "trained env steps": trained[-1][0] if trained else 0,
             "trained min": f"{trained[-1][1]:.1f}" if trained else "-",
             "env-steps/s": f"{final['training']['env_steps_per_s']:.0f}" if "training" in final else "-"}
-
-
-def markdown(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
 
 
 def plot(out: Path, runs: list[tuple[str, int, Path]], target: float) -> Path:
