@@ -90,7 +90,8 @@ class PlacementConfig:
     # its devices, as on GPUs. Off by default: unpinned workers borrow idle cores
     pin_cpus: bool = False
     torch_threads: int = ranged(1, 1)  # intra-op threads per worker (2 cores: keep 1)
-    # intra-op threads of the actor while it updates (the sims are idle then; CPU actor ranks on one node split them)
+    # intra-op threads of the actor while it updates (the sims are idle then; CPU actor ranks on one node split them;
+    # runner.collection=async: torch_threads instead, as the sims step meanwhile)
     actor_threads: int = ranged(2, 1)
 
 
