@@ -80,6 +80,7 @@ class SAC(Algorithm):
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=cfg.sac.alpha_lr)
         self.owed_steps = 0.0  # gradient steps the collected data has earned and not yet taken (a fraction)
         self.gradient_steps = 0
+        self.fallback_generator = torch.Generator().manual_seed(0)  # for callers that pass none (the actor does)
 
     @property
     def collection(self) -> Collection:
@@ -169,8 +170,7 @@ class SAC(Algorithm):
                       generator: torch.Generator | None) -> dict[str, float]:
         """One critic step on a sampled batch, then (every ``actor_every``) the actor's and the temperature's,
         then (every ``target_every``) the target critics' Polyak step."""
-        generator = generator or torch.Generator().manual_seed(0)
-        mb = self.sample(generator)
+        mb = self.sample(generator or self.fallback_generator)
         alpha = self.alpha.to(mb.rewards.device)
         with torch.no_grad():
             next_actions, next_logprob = policy.sample(mb.next_obs)
@@ -191,11 +191,17 @@ class SAC(Algorithm):
 
     def _actor_step(self, policy: nn.Module, optimizer: torch.optim.Optimizer, mb: Transitions,
                     alpha: torch.Tensor) -> dict[str, float]:
-        actions, logprob = policy.sample(mb.obs)
-        q = policy.critic(policy.critic_input(mb.obs), actions).min(0).values
-        actor_loss = (alpha * logprob - q).mean()
-        critic = set(policy.critic.parameters())
-        _step(optimizer, actor_loss, skip=critic)  # the critics are what the actor climbs, not what it moves
+        critic = list(policy.critic.parameters())
+        for param in critic:  # the critics are what the actor climbs, not what it moves: no gradients for them
+            param.requires_grad_(False)
+        try:
+            actions, logprob = policy.sample(mb.obs)
+            q = policy.critic(policy.critic_input(mb.obs), actions).min(0).values
+            actor_loss = (alpha * logprob - q).mean()
+            _step(optimizer, actor_loss)
+        finally:
+            for param in critic:
+                param.requires_grad_(True)
         stats = {"actor_loss": actor_loss.item(), "entropy": -logprob.mean().item()}
         if self.sac.autotune:
             entropy_gap = (logprob.detach() + self.target_entropy(policy)).mean().cpu()
@@ -231,11 +237,9 @@ class SAC(Algorithm):
             self.buffer.load_state_dict(state["buffer"])
 
 
-def _step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, skip: set | None = None) -> None:
-    """A gradient step on ``loss``; parameters in ``skip`` keep their values (Adam skips a parameter without
-    a gradient)."""
+def _step(optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    """A gradient step on ``loss``: only the parameters it has gradients for move (Adam skips a parameter
+    without a gradient)."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    for param in skip or ():
-        param.grad = None
     optimizer.step()
