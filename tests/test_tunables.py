@@ -43,11 +43,13 @@ class _FakeWorkers:
 
 
 def _trainer(cfg: TrainConfig, run_dir: Path, success: float = 0.0):
+    from embodied.collection import LockstepCollector
     from embodied.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)  # its parts, without workers
     trainer.cfg, trainer.run_dir, trainer.progress = cfg, run_dir, Progress()
     trainer.workers, trainer.episodic = _FakeWorkers(success), True
+    trainer.collector = LockstepCollector(trainer.workers)
     trainer.log = SimpleNamespace(scalars=lambda values, step: None)
     return trainer
 
