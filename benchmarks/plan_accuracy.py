@@ -10,7 +10,8 @@ among the candidates), on this machine's devices:
    plan (``scheduler/planner.py``): the auto plan and its predicted iteration time;
 2. run every feasible candidate plan with the real worker groups (pinned CPU slots on a CPU
    machine): one warm-up iteration, then ``--iterations`` measured ones of weight sync,
-   rollout and PPO update;
+   rollout and update (PPO's epochs, or SAC's gradient steps; the ``-async`` workloads roll out
+   during the update, ``runner.collection=async``);
 3. report the best measured plan, the auto plan, auto's throughput over the best's, and
    auto's predicted against measured iteration time.
 
@@ -40,23 +41,29 @@ WORKLOADS = {
                        "algorithm.rollout_steps=20"],
     "rgb-oft-tiny-8": ["env=maniskill_pushcube_rgb", "env.image_size=64", "env.num_envs=8",
                        "env.max_episode_steps=100", "policy=openvla_oft_tiny", "algorithm.rollout_steps=5"],
+    # SAC's update is its gradient steps (sac.utd per transition), not epochs over the batch
+    "sac-state-32": ["algorithm=sac", "policy=mlp_sac", "env.num_envs=32", "algorithm.sac.learning_starts=0"],
+    "sac-state-32-async": ["algorithm=sac", "policy=mlp_sac", "env.num_envs=32", "algorithm.sac.learning_starts=0",
+                           "runner.collection=async"],
 }
 
 
 def measure_plan(cfg, iterations: int) -> float:
-    """Median seconds of an iteration (weight sync, rollout, PPO update) after one warm-up."""
+    """Median seconds of an iteration (weight sync, rollout, update; the rollout during the update of the
+    one before under ``runner.collection=async``) after one warm-up."""
+    from embodied.collection import make_collector
     from embodied.runner import start_workers
 
     workers = start_workers(cfg)
     try:
         workers.reset_envs(iteration=0, sim_steps=0)
+        collector = make_collector(workers, cfg.runner.collection, cfg.runner.weight_sync_every)
         times = []
-        for _ in range(iterations + 1):
+        for i in range(iterations + 1):
             started = time.perf_counter()
-            workers.prepare_generation(force_sync=True)
-            _, refs, _ = workers.rollout_steps(workers.steps_per_rollout)
-            workers.update(refs)
+            workers.update(collector.collect(i).trajectories, i)
             times.append(time.perf_counter() - started)
+        collector.settle()
         return statistics.median(times[1:])
     finally:
         workers.shutdown()

@@ -25,7 +25,7 @@ from envs.registry import (
 from envs.seeds import AutoResets, RunSeeds
 from policies.registry import check_policy_observations
 from scheduler.auto import AutoPlan, auto_placement
-from scheduler.placement import make_plan
+from scheduler.placement import actor_update_threads, make_plan
 from scheduler.profiler import StageRunners
 from scheduler.runtime.channel import Channel
 from scheduler.runtime.cluster import cluster_devices, start_cluster
@@ -79,7 +79,7 @@ class Workers:
                                                   seed=cfg.runner.seed, wait=False, **started, **common))
         self.actor = watchdog.watch(WorkerGroup(ActorWorker, "actor", plan, threads, seed=cfg.runner.seed, wait=False,
                                                 per_rank_kwargs=[{"update_threads": t} for t in
-                                                                 plan.update_threads(update_threads(cfg))],
+                                                                 plan.update_threads(actor_update_threads(cfg))],
                                                 **started, **common))
         wait_ready(self.rollout, self.actor)  # both groups start side by side: seconds of imports each
         self.groups = {"env": self.env, "rollout": self.rollout, "actor": self.actor}
@@ -275,13 +275,6 @@ class Workers:
             pass
         for group in (self.env, self.rollout, self.actor):
             group.shutdown()
-
-
-def update_threads(cfg: TrainConfig) -> int:
-    """The actor's intra-op threads while it updates: ``placement.actor_threads`` when the other groups
-    wait for it (lockstep), ``placement.torch_threads`` when the envs step meanwhile (asynchronous
-    collection: on a small CPU, more threads would only take the simulators' cores)."""
-    return cfg.placement.actor_threads if cfg.runner.collection == "sync" else cfg.placement.torch_threads
 
 
 def start_workers(cfg: TrainConfig, rollout_only: bool = False) -> Workers:

@@ -249,6 +249,7 @@ class Trainer:
         p = self.progress
         self._set_lr()
         t0 = time.perf_counter()
+        warm_up = self.algorithm.uniform_actions(p.env_steps)  # off-policy warm-up: few or no gradient steps
         if self.episodic:
             self._reset_envs()
         collected = self.collector.collect(p.iteration)
@@ -257,7 +258,8 @@ class Trainer:
         if stats.get("samples", 1.0) == 0:  # say it where a person looks, not only in TensorBoard
             self.log.note("update", f"iteration {p.iteration + 1} trained on nothing: {self.algorithm.nothing_trained}")
         t2 = time.perf_counter()
-        self.iteration_seconds.append(t2 - t0)
+        if not warm_up:  # what auto placement's prediction is held against (_auto_report)
+            self.iteration_seconds.append(t2 - t0)
         p.iteration += 1
         p.env_steps += self.steps_per_iteration
         scalars = {f"train/{k}": v for k, v in stats.items()} | {"train/policy_lag": collected.policy_lag}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from envs.common import UserError
 from scheduler.cost_model import Profile, Workload
@@ -18,6 +19,13 @@ from scheduler.placement import to_placement
 from scheduler.planner import PlanChoice, plan
 from scheduler.profiler import StageRunners, cached_profile
 from scheduler.runtime.data_parallel import resolve_strategy
+
+
+class PlannedAlgorithm(Protocol):
+    """What the planner needs of the run's algorithm (``embodied.algorithms.base.Algorithm``)."""
+
+    group_size: int
+    max_actor_ranks: int | None
 
 
 @dataclass
@@ -39,12 +47,15 @@ def profile_sizes(num_envs: int) -> list[int]:
     return sorted({max(1, num_envs // 4), max(1, num_envs // 2), num_envs})
 
 
-def workload_of(cfg, profile: Profile, group_size: int) -> Workload:
-    """An iteration of ``cfg``: its envs, decisions per env and ``group_size``, the envs its
-    algorithm needs in one micro-batch (GRPO's groups; 1: any split)."""
+def workload_of(cfg, profile: Profile, algorithm: PlannedAlgorithm) -> Workload:
+    """An iteration of ``cfg``: its envs, decisions per env, the envs its ``algorithm`` needs in one
+    micro-batch (``group_size``: GRPO's groups; 1: any split) and the actor ranks it can train on,
+    and whether the rollout overlaps the update (``runner.collection=async``)."""
     placement = cfg.placement
     sharded = resolve_strategy(placement.data_parallel, profile.parameters, placement.fsdp_from_parameters) == "fsdp"
-    return Workload(cfg.env.num_envs, cfg.algorithm.rollout_steps or profile.episode_steps, group_size, sharded)
+    return Workload(cfg.env.num_envs, cfg.algorithm.rollout_steps or profile.episode_steps, algorithm.group_size,
+                    sharded, overlap=cfg.runner.collection == "async", sync_every=cfg.runner.weight_sync_every,
+                    max_actor_ranks=algorithm.max_actor_ranks)
 
 
 def auto_placement(cfg, devices: int, device_kind: str, runners: StageRunners, log=print) -> AutoPlan:
@@ -55,7 +66,7 @@ def auto_placement(cfg, devices: int, device_kind: str, runners: StageRunners, l
     profile, path, measured = cached_profile(cfg, profile_sizes(cfg.env.num_envs), devices,
                                              Path(cfg.placement.profile_dir), runners, log)
     seconds = time.perf_counter() - started
-    workload = workload_of(cfg, profile, runners.algorithm(cfg.algorithm).group_size)
+    workload = workload_of(cfg, profile, runners.algorithm(cfg.algorithm))
     choice = plan(profile, workload, devices, offload=profile.device_kind == "gpu")
     if choice.best is None:
         raise UserError(f"placement.mode=auto found no plan that fits {devices} {device_kind} device(s): "

@@ -35,7 +35,14 @@ worker's slice is cut into. :func:`predict` combines them as the runner executes
   bandwidth, which a pipeline's other micro-batches can hide), and a weight sync to rollout
   workers on other nodes sends the weights over it;
 - switches: where the actor shares a device with env or rollout workers and ``offload``
-  is on, one offload and one onload per iteration; plus one weight sync.
+  is on, one offload and one onload per iteration; plus one weight sync (every
+  ``sync_every`` iterations under asynchronous collection);
+- asynchronous collection (``Workload.overlap``, ``runner.collection=async``): the next
+  rollout runs while the actor updates, so an iteration lasts as long as the slower of the two,
+  or as the busiest device's work where groups share one: a device does the stepping, inferring
+  and training of every group on it, one after another. No offload (the actor is busy while
+  the envs run), and an algorithm may train on a single rank (``max_actor_ranks``: SAC's replay
+  buffer and target critics are one rank's).
 
 Memory per device is the sum of the groups resident on it; with offload a device holds
 the larger of its generation phase (env + rollout) and its training phase (actor: its share
@@ -128,6 +135,9 @@ class Workload:
     steps: int  # T: decisions per env per iteration
     group_size: int = 1  # GRPO: envs per group, which must not span micro-batches
     sharded: bool = False  # several actor ranks shard the policy (FSDP2) instead of replicating it
+    overlap: bool = False  # asynchronous collection: the next rollout runs during the update
+    sync_every: int = 1  # iterations per weight sync (runner.weight_sync_every; asynchronous collection)
+    max_actor_ranks: int | None = None  # the most data-parallel actor ranks the algorithm trains on (None: any)
 
 
 @dataclass(frozen=True)
@@ -172,10 +182,12 @@ class Prediction:
     switch_s: float
     memory: dict[int, float] = field(default_factory=dict)  # device -> peak MiB
     infeasible: str = ""  # why the plan cannot run ("" when it can)
+    overlapped_s: float | None = None  # asynchronous collection: rollout and update together (else None)
 
     @property
     def iteration_s(self) -> float:
-        return self.generate_s + self.train_s + self.switch_s
+        together = self.generate_s + self.train_s if self.overlapped_s is None else self.overlapped_s
+        return together + self.switch_s
 
     @property
     def feasible(self) -> bool:
@@ -241,6 +253,21 @@ def weight_sync_seconds(c: Candidate, p: Profile, net: Network = ONE_NODE) -> fl
     return p.weight_sync_s + net.latency_s + net.transfer_s(p.weights_mib)
 
 
+def overlapped_seconds(c: Candidate, p: Profile, w: Workload, generate_s: float, train_s: float) -> float:
+    """An asynchronous iteration's rollout and update, run at once: the slower of the two, or the busiest
+    device, which steps, infers and trains for every group on it in turn (see the module doc)."""
+    sets = c.device_sets()
+    micro = w.num_envs / (c.env_devices * c.stages)
+    served = c.env_devices / c.rollout_devices
+    busy: dict[int, float] = {}
+    work = ([(d, w.steps * c.stages * p.env_step(micro)) for d in sets["env"]]
+            + [(d, w.steps * c.stages * served * p.infer(micro)) for d in sets["rollout"]]
+            + [(d, train_s) for d in list(sets["actor"])[:c.actor_ranks]])
+    for device, seconds in work:
+        busy[device] = busy.get(device, 0.0) + seconds
+    return max(generate_s, train_s, *busy.values())
+
+
 def shares_actor(c: Candidate) -> bool:
     sets = c.device_sets()
     return bool(set(sets["actor"]) & (set(sets["env"]) | set(sets["rollout"])))
@@ -266,11 +293,17 @@ def device_memory(c: Candidate, p: Profile, w: Workload) -> dict[int, float]:
 def predict(c: Candidate, p: Profile, w: Workload, net: Network = ONE_NODE) -> Prediction:
     """Predicted iteration time and memory of plan ``c`` for workload ``w`` under profile ``p``
     on a cluster shaped as ``net``."""
-    switch = weight_sync_seconds(c, p, net) + (p.offload_s if c.offload and shares_actor(c) else 0.0)
-    out = Prediction(c, generate_seconds(c, p, w, net), train_seconds(c, p, w, net), switch,
-                     device_memory(c, p, w))
+    sync = weight_sync_seconds(c, p, net) / (w.sync_every if w.overlap else 1)
+    switch = sync + (p.offload_s if c.offload and shares_actor(c) else 0.0)
+    generate, train = generate_seconds(c, p, w, net), train_seconds(c, p, w, net)
+    out = Prediction(c, generate, train, switch, device_memory(c, p, w),
+                     overlapped_s=overlapped_seconds(c, p, w, generate, train) if w.overlap else None)
     full = [d for d, mib in out.memory.items() if mib > p.device_memory]
-    if full:
+    if w.overlap and c.offload:
+        out.infeasible = "asynchronous collection keeps the actor busy while the envs run: it cannot be offloaded"
+    elif w.max_actor_ranks is not None and c.actor_ranks > w.max_actor_ranks:
+        out.infeasible = f"the algorithm trains on at most {w.max_actor_ranks} actor rank(s)"
+    elif full:
         out.infeasible = (f"needs {max(out.memory.values()):.0f} MiB on device {full[0]}, "
                           f"which holds {p.device_memory:.0f}")
     elif w.num_envs % (c.env_devices * c.stages):

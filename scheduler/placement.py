@@ -48,6 +48,14 @@ def parse_devices(spec: str) -> list[int]:
     return devices
 
 
+def actor_update_threads(cfg) -> int:
+    """The actor's intra-op threads while it updates (CPU), for a run's ``cfg`` (a ``TrainConfig``):
+    ``placement.actor_threads`` when the other groups wait for it (``runner.collection=sync``),
+    ``placement.torch_threads`` when the envs step meanwhile (``async``: on a small CPU, more threads
+    would only take the simulators' cores). The profiler times the update on as many."""
+    return cfg.placement.actor_threads if cfg.runner.collection == "sync" else cfg.placement.torch_threads
+
+
 def make_plan(placement_cfg, cluster: ClusterDevices, num_envs: int) -> Plan:
     """Validate ``placement_cfg`` against the cluster's devices and build the Plan."""
     cfg = placement_cfg

@@ -21,8 +21,10 @@ on those observations:
 - ``infer``: the policy's ``act`` on ``n`` observations (CPU: ``placement.torch_threads``
   threads, as a rollout worker on its slot);
 - ``train``: one update of the run's algorithm (a steady-state iteration's) over ``n`` samples
-  (CPU: ``placement.actor_threads`` threads, as the actor updates while the other groups
-  wait and leave it every core);
+  (CPU: as many threads as the actor updates on, ``placement.actor_threads`` when the other
+  groups wait and leave it every core, ``placement.torch_threads`` under asynchronous
+  collection), and the actor's memory: weights, gradients, Adam's moments, the update's
+  activations and what the algorithm keeps beside them (a replay buffer, at its full size);
 - ``offload``: the actor's weights and optimizer state off the device and back;
 - ``allreduce`` (two devices or more): two actor ranks, Ray actors in a real process group
   (NCCL or gloo), all-reducing a tiny buffer and one of the policy's gradient size: what a
@@ -55,12 +57,12 @@ import torch
 from envs.messages import Trajectory
 from policies.registry import make_policy
 from scheduler.cost_model import Candidate, Curve, Profile
-from scheduler.placement import to_placement
+from scheduler.placement import actor_update_threads, to_placement
 from scheduler.runtime.data_parallel import AllReduceProbe
 from scheduler.runtime.offload import DeviceState
 from scheduler.runtime.worker import resident_mib
 
-PROFILE_VERSION = 11
+PROFILE_VERSION = 12
 
 
 class ProfiledAlgorithm(Protocol):
@@ -70,6 +72,8 @@ class ProfiledAlgorithm(Protocol):
 
     def profiled_update(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         batch: Trajectory) -> dict: ...
+
+    def resident_mib(self, obs_spec: dict, action_dim: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,8 @@ def profile_key(cfg, sizes: list[int]) -> str:
         "policy": dataclasses.asdict(cfg.policy),
         "algorithm": {k: getattr(cfg.algorithm, k) for k in ("name", "update_epochs", "num_minibatches",
                                                                "logprob_level")},
-        "threads": [cfg.placement.torch_threads, cfg.placement.actor_threads],
+        "sac": dataclasses.asdict(cfg.algorithm.sac),  # its gradient steps per transition and their size
+        "threads": [cfg.placement.torch_threads, actor_update_threads(cfg)],
     }
     return hashlib.sha1(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -165,15 +170,16 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
         infer_t.append(_median_seconds(lambda b=batch: policy.act(b), repeats))
         infer_m.append(weights_mib + max(_memory_mib(device) - before, 0.0))
     optimizer = algorithm.make_optimizer(policy)
-    if device.type == "cpu":  # the actor updates with every core of its node (see ActorWorker.update)
-        torch.set_num_threads(cfg.placement.actor_threads)
+    if device.type == "cpu":  # as many threads as the actor updates on (see ActorWorker.update)
+        torch.set_num_threads(actor_update_threads(cfg))
+    held = algorithm.resident_mib(obs_spec, action_dim)  # a replay buffer, full
     train_t, train_m = [], []
     for i, n in enumerate(train_sizes):
         batch = _train_batch(policy, {k: v.to(device) for k, v in _batch(obs, n).items()})
         before = _memory_mib(device)
         # one warm-up, at the first size: an update is the profile's slowest stage
         train_t.append(_median_seconds(lambda b=batch: algorithm.profiled_update(policy, optimizer, b), 1, i == 0))
-        train_m.append(3 * weights_mib + max(_memory_mib(device) - before, 0.0))  # weights, grads, Adam moments
+        train_m.append(3 * weights_mib + held + max(_memory_mib(device) - before, 0.0))  # + grads, Adam moments
     switch = DeviceState(policy, optimizer)
     offload_s = _median_seconds(lambda: (switch.offload(), switch.onload()), repeats)
     state_mib = sum(v.nbytes for v in policy.state_dict().values()) / 2**20
@@ -187,13 +193,15 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
 
 
 def _train_batch(policy, obs: dict) -> Trajectory:
-    """A one-step trajectory of ``n`` envs with the policy's own samples, as rollout workers send."""
+    """A one-step trajectory of ``n`` envs with the policy's own samples, as rollout workers send (with
+    next observations, which an off-policy algorithm's collection keeps)."""
     with torch.no_grad():
         actions, logprobs, values = policy.act(obs)
     n = actions.shape[0]
-    return Trajectory(obs={k: v[None] for k, v in obs.items()}, actions=actions[None], logprobs=logprobs[None],
+    steps = {k: v[None] for k, v in obs.items()}
+    return Trajectory(obs=steps, actions=actions[None], logprobs=logprobs[None],
                       values=values[None], rewards=torch.randn(1, n), dones=torch.zeros(1, n, dtype=torch.bool),
-                      next_value=torch.zeros(n))
+                      next_value=torch.zeros(n), next_obs=steps, terminated=torch.zeros(1, n, dtype=torch.bool))
 
 
 @dataclass

@@ -248,3 +248,45 @@ def test_the_planner_searches_the_data_parallel_degree():
     assert names == {1, 2, 4, 8}
     p = _profile(device_kind="gpu", train=Curve(2.0, 0.01), allreduce=Curve(0.0001, 0.0001), gradient_mib=10)
     assert plan(p, WORK, devices=4).best.candidate.actor_ranks > 1  # training dominates, reduction is cheap
+
+
+# -- asynchronous collection and single-rank algorithms (SAC) ------------------------------------------------------
+
+def test_an_asynchronous_iteration_matches_a_hand_computation():
+    """The rollout runs during the update: the slower of the two, or the busiest device's work in turn."""
+    p = _profile(env_step=Curve(0.0, 0.001), infer=Curve(0.0, 0.0005), train=Curve(0.3, 0.0), hop_s=0.002,
+                 weight_sync_s=0.04)
+    w = Workload(num_envs=16, steps=10, overlap=True, sync_every=2)
+    hybrid = predict(Candidate("hybrid", 1, 1, 1), p, w)  # env on 0; rollout and actor on 1
+    generate = 10 * (0.016 + 0.008 + 0.002)
+    assert hybrid.generate_s == pytest.approx(generate) and hybrid.train_s == pytest.approx(0.3)
+    # device 1 infers 10 steps of 16 (0.08 s) and trains (0.3 s): busier than the rollout (0.26 s) or the update
+    assert hybrid.iteration_s == pytest.approx(0.08 + 0.3 + 0.04 / 2)
+    colocated = predict(Candidate("colocated", 2, 2, 2), p, w)  # device 0 steps, infers and trains
+    assert colocated.iteration_s == pytest.approx(10 * (0.008 + 0.004) + 0.3 + 0.04 / 2)
+    lockstep = predict(Candidate("hybrid", 1, 1, 1), p, dataclasses.replace(w, overlap=False))
+    assert lockstep.iteration_s == pytest.approx(generate + 0.3 + 0.04)  # a sync every iteration
+
+
+def test_an_update_slower_than_the_rollout_hides_it_only_on_a_device_of_its_own():
+    p = _profile(env_step=Curve(0.0, 0.002), infer=Curve(0.0, 0.0001), train=Curve(1.0, 0.0), hop_s=0.0,
+                 weight_sync_s=0.0, offload_s=0.0)
+    w = Workload(num_envs=16, steps=10, overlap=True)
+    disaggregated = predict(Candidate("disaggregated", 1, 1, 1), p, w)
+    assert disaggregated.iteration_s == pytest.approx(1.0)  # the rollout (0.34 s) runs inside the update
+    assert predict(Candidate("disaggregated", 1, 1, 1), p, dataclasses.replace(w, overlap=False)).iteration_s \
+        == pytest.approx(1.0 + 10 * (0.032 + 0.0016))
+    best = plan(p, w, devices=3).best
+    assert best.iteration_s <= disaggregated.iteration_s + 1e-9
+    assert best.overlapped_s is not None
+
+
+def test_asynchronous_collection_refuses_offload_and_sac_trains_on_one_rank():
+    p = _profile()
+    w = Workload(num_envs=64, steps=4, overlap=True, max_actor_ranks=1)
+    table = plan(p, w, devices=4).table
+    offloaded = [pred for pred in table if pred.candidate.offload]
+    assert offloaded and all("offloaded" in pred.infeasible for pred in offloaded)
+    several = [pred for pred in table if pred.candidate.actor_ranks > 1 and not pred.candidate.offload]
+    assert several and all("at most 1 actor rank" in pred.infeasible for pred in several)
+    assert plan(p, w, devices=4).best.candidate.actor_ranks == 1

@@ -226,7 +226,6 @@ def test_sac_refuses_a_policy_without_q_critics_and_several_actor_ranks():
     (["algorithm=sac", "policy=mlp_sac", "runner.collection=later"], ["runner.collection", "async"]),
     (["algorithm=sac", "policy=mlp_sac", "runner.collection=async", "placement.offload=always"],
      ["placement.offload=never"]),
-    (["algorithm=sac", "policy=mlp_sac", "placement.mode=auto"], ["placement.mode=colocated"]),
 ])
 def test_collection_mistakes_are_refused_before_workers_start(overrides, words):
     with pytest.raises(UserError) as err:
@@ -260,6 +259,23 @@ def test_updates_start_at_learning_starts_and_take_utd_steps_per_transition():
     assert [s["gradient_steps"] for s in stats] == [0, 8, 16]  # 32 transitions each; none before 64 are held
     assert stats[1]["buffer_size"] == 64 and "q_loss" in stats[1] and "q_loss" not in stats[0]
     assert stats[2]["replay_ratio"] == pytest.approx(16 * 16 / 96)
+
+
+def test_auto_placement_times_a_steady_state_update_and_counts_the_full_buffer():
+    """The profiler's update takes ``utd`` gradient steps per transition from the first (no warm-up),
+    leaves the run's own buffer empty, and the actor's memory holds the full buffer."""
+    from scheduler.profiler import measure_policy
+
+    policy, cfg = _policy(0, "algorithm.sac.learning_starts=4000", "algorithm.sac.utd=0.5",
+                          "algorithm.sac.batch_size=16", "algorithm.sac.buffer_size=100000")
+    sac = make_algorithm(cfg.algorithm)
+    stats = sac.profiled_update(policy, sac.make_optimizer(policy), _random_batch(0, steps=4, envs=8))
+    assert stats["gradient_steps"] == 16 and len(sac.buffer) == 0
+    full_mib = sac.resident_mib({"state": ((STATE,), torch.float32)}, ACTIONS)
+    assert full_mib == pytest.approx(100_000 * (2 * STATE + ACTIONS + 2) * 4 / 2**20)  # s, s', a, r, discount
+    measured = measure_policy(cfg, {"state": torch.randn(8, STATE)}, ACTIONS, [4, 8], [8, 16], 1,
+                              torch.device("cpu"), sac)
+    assert measured["actor_memory"].fixed >= full_mib
 
 
 def test_critic_steps_leave_the_actor_and_actor_steps_leave_the_critics():

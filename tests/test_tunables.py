@@ -100,6 +100,7 @@ def test_fsdp_from_parameters_is_where_auto_starts_sharding():
     assert resolve_strategy("replicate", 10**12, fsdp_from=1) == "replicate"  # only auto asks
     cfg = TrainConfig()
     profile = SimpleNamespace(parameters=5_000, episode_steps=50)
-    assert not workload_of(cfg, profile, group_size=1).sharded
+    algorithm = SimpleNamespace(group_size=1, max_actor_ranks=None)
+    assert not workload_of(cfg, profile, algorithm).sharded
     cfg.placement.fsdp_from_parameters = 5_000
-    assert workload_of(cfg, profile, group_size=1).sharded
+    assert workload_of(cfg, profile, algorithm).sharded

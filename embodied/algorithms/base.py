@@ -65,13 +65,15 @@ class Algorithm:
     - ``nothing_trained``: why an update may find no sample to train on (shown on the console
       when one does); empty if it cannot happen;
     - ``off_policy``: it learns from data older weights collected, so rollouts may run while it
-      updates (``runner.collection=async``).
+      updates (``runner.collection=async``);
+    - ``max_actor_ranks``: the most data-parallel actor ranks it trains on (None: any).
     """
 
     episodic: ClassVar[bool] = False
     nothing_trained: ClassVar[str] = ""
     # learns from data collected by older weights (a replay buffer): it may collect asynchronously
     off_policy: ClassVar[bool] = False
+    max_actor_ranks: ClassVar[int | None] = None
 
     def __init__(self, cfg):
         """``cfg``: the run's ``AlgorithmConfig`` (embodied/config.py documents its keys)."""
@@ -124,6 +126,11 @@ class Algorithm:
         """Lines for the run log about what the algorithm holds beside the policy (a replay buffer's
         memory); none by default. ``obs_spec``: the env's observations (name -> (shape, dtype))."""
         return []
+
+    def resident_mib(self, obs_spec: dict, action_dim: int) -> float:
+        """MiB the algorithm keeps on the actor's device beside the policy and its optimizer, at its
+        largest (a full replay buffer); auto placement adds it to the actor's memory. None by default."""
+        return 0.0
 
     def check(self, run_cfg, rollout_only: bool = False) -> None:
         """Raise a :class:`~envs.common.UserError` (naming the fix) for what this algorithm cannot

@@ -20,6 +20,7 @@ saved with every checkpoint (the buffer if ``sac.save_buffer``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -69,6 +70,7 @@ class SAC(Algorithm):
     """Soft actor-critic over a replay buffer (module docstring)."""
 
     off_policy = True
+    max_actor_ranks = 1  # the replay buffer and the target critics are one rank's
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -92,16 +94,12 @@ class SAC(Algorithm):
 
     def check(self, run_cfg, rollout_only: bool = False) -> None:
         check_soft_actor_critic(run_cfg.policy.name)
-        if run_cfg.placement.actor_workers != 1:
+        if run_cfg.placement.actor_workers > self.max_actor_ranks:
             raise UserError(f"placement.actor_workers={run_cfg.placement.actor_workers}: SAC trains on one actor "
                             "rank (its replay buffer and target critics are that rank's). Set "
                             "placement.actor_workers=1.")
         if self.uses_demos:
             check_demos_exist(run_cfg.env)
-        if run_cfg.placement.mode == "auto":
-            raise UserError("placement.mode=auto plans on-policy iterations (a rollout, then an update of it); it "
-                            "does not model SAC's replay updates yet. Choose a placement for algorithm=sac: "
-                            "placement.mode=colocated (the default), hybrid or disaggregated.")
 
     def make_optimizer(self, policy: nn.Module) -> torch.optim.Optimizer:
         """Adam, the actor's parameters at ``algorithm.lr``, the critics' at ``sac.q_lr``; each step
@@ -112,7 +110,8 @@ class SAC(Algorithm):
         q_lr = self.sac.q_lr or self.cfg.lr
         return torch.optim.Adam([
             {"params": [p for p in trainable if id(p) not in critic], "lr": self.cfg.lr, "lr_scale": 1.0},
-            {"params": [p for p in trainable if id(p) in critic], "lr": q_lr, "lr_scale": q_lr / self.cfg.lr}], foreach=True)
+            {"params": [p for p in trainable if id(p) in critic], "lr": q_lr, "lr_scale": q_lr / self.cfg.lr},
+        ], foreach=True)
 
     def uniform_actions(self, env_steps: int) -> bool:
         """Until the buffer holds ``sac.learning_starts`` transitions (as CleanRL's and ManiSkill's SAC)."""
@@ -133,10 +132,12 @@ class SAC(Algorithm):
         return Transitions.cat([replayed, self.demos.sample(from_demos, generator)]) if from_demos else replayed
 
     def describe(self, obs_spec: dict, action_dim: int) -> list[str]:
-        size = ReplayBuffer.bytes_for(self.sac.buffer_size, obs_spec, action_dim)
         kept = "saved with every checkpoint" if self.sac.save_buffer else "not saved (sac.save_buffer=false)"
-        return [f"replay buffer: {self.sac.buffer_size:,} transitions, {size / 2**20:,.0f} MiB when full, on the "
-                f"actor's device; {kept}"]
+        return [f"replay buffer: {self.sac.buffer_size:,} transitions, {self.resident_mib(obs_spec, action_dim):,.0f} "
+                f"MiB when full, on the actor's device; {kept}"]
+
+    def resident_mib(self, obs_spec: dict, action_dim: int) -> float:
+        return ReplayBuffer.bytes_for(self.sac.buffer_size, obs_spec, action_dim) / 2**20
 
     def target_entropy(self, policy: nn.Module) -> float:
         return self.sac.target_entropy if self.sac.target_entropy is not None else -float(policy.action_dim)
@@ -159,6 +160,19 @@ class SAC(Algorithm):
         return out | {"buffer_size": float(len(self.buffer)), "gradient_steps": float(self.gradient_steps),
                       "replay_ratio": self.gradient_steps * self.sac.batch_size / max(self.buffer.added, 1),
                       "alpha": float(self.alpha), "samples": float(batch.steps * batch.num_envs)}
+
+    def profiled_update(self, policy: nn.Module, optimizer: torch.optim.Optimizer,
+                        batch: Trajectory) -> dict[str, float]:
+        """A steady-state iteration's update (auto placement times it): ``batch`` added to a buffer past
+        ``sac.learning_starts``, then its ``sac.utd`` gradient steps per transition. The buffer is a scratch
+        one of the batch's size: profiling allocates no full buffer (:meth:`resident_mib` counts it), and a
+        sample costs the same from any size."""
+        scratch = SAC(dataclasses.replace(self.cfg, sac=dataclasses.replace(
+            self.sac, buffer_size=batch.steps * batch.num_envs, learning_starts=0)))
+        scratch.target = self.target
+        stats = scratch.update(policy, optimizer, batch)
+        self.target = scratch.target  # the next profiled update starts where this one left its critics
+        return stats
 
     def transitions(self, batch: Trajectory) -> Transitions:
         """The batch's transitions; the target bootstraps where an episode goes on or the bootstrap rule

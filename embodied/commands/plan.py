@@ -77,7 +77,7 @@ def show_plans(overrides: list[str], devices: int | None, profile_path: str | No
                                             Path(cfg.placement.profile_dir), STAGE_RUNNERS,
                                             log=lambda m: print(m, file=sys.stderr))
     devices = devices or 1
-    workload = workload_of(cfg, profile, STAGE_RUNNERS.algorithm(cfg.algorithm).group_size)  # as auto placement
+    workload = workload_of(cfg, profile, STAGE_RUNNERS.algorithm(cfg.algorithm))  # as auto placement
     choice = plan(profile, workload, devices, offload=profile.device_kind == "gpu", network=network)
     nodes = -(-devices // devices_per_node) if devices_per_node else 1
     if as_json:
