@@ -101,6 +101,20 @@ def small_config(*overrides: str):
     return compose([*SMALL_OVERRIDES, *overrides])
 
 
+def train_between_weights(cfg, run_dir: Path) -> tuple[dict, dict, dict]:
+    """Train ``cfg`` to its end with a real :class:`~embodied.trainer.Trainer` in ``run_dir``; returns
+    ``(actor weights before, the final summary, weights after)``. The workers are shut down either way."""
+    from embodied.trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir)
+    try:
+        before = trainer.workers.actor.call("get_weights")[0]
+        summary = trainer.train()
+        return before, summary, trainer.workers.actor.call("get_weights")[0]
+    finally:
+        trainer.close()
+
+
 def tb_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     """(step, value) of every TensorBoard scalar ``tag`` a run wrote under ``run_dir/tb``."""
     from embodied.run_logger import read_scalars

@@ -359,20 +359,14 @@ def test_sac_trains_checkpoints_its_buffer_and_a_resumed_run_continues_it(ray_cl
     critics and the step count, and its first update adds to them."""
     from embodied.checkpoint import load_checkpoint
     from embodied.trainer import Trainer
-    from tests.conftest import small_config, tb_scalars
+    from tests.conftest import small_config, tb_scalars, train_between_weights
 
     sac_run = ["algorithm=sac", "policy=mlp_sac", "policy.net.hidden_sizes=[32,32]", "algorithm.rollout_steps=10",
                "algorithm.sac.learning_starts=41", "algorithm.sac.batch_size=16", "runner.checkpoint_every=1",
                "runner.eval_every=0", "eval.episodes=4", "eval.video_episodes=0"]
     cfg = small_config(f"runner.run_dir={tmp_path}", "runner.total_env_steps=120", "runner.collection=async",
                        "runner.weight_sync_every=2", *sac_run)
-    trainer = Trainer(cfg, tmp_path)
-    try:
-        before = trainer.workers.actor.call("get_weights")[0]
-        trainer.train()
-        after = trainer.workers.actor.call("get_weights")[0]
-    finally:
-        trainer.close()
+    before, _, after = train_between_weights(cfg, tmp_path)
     assert all(not torch.equal(before[k], after[k]) for k in before), "every parameter trains"
     state = load_checkpoint(tmp_path)
     saved = state["actor"]["algorithm"]

@@ -10,7 +10,7 @@ import torch
 from embodied.checkpoint import load_checkpoint
 from embodied.trainer import Trainer
 from policies.registry import make_policy
-from tests.conftest import run_cli, small_config, tb_scalars
+from tests.conftest import run_cli, small_config, tb_scalars, train_between_weights
 
 SMALL = ["env.num_envs=4", "placement.env_workers=2", "algorithm.rollout_steps=10",
          "algorithm.update_epochs=2", "algorithm.num_minibatches=2", "runner.max_minutes=null",
@@ -22,13 +22,7 @@ SMALL = ["env.num_envs=4", "placement.env_workers=2", "algorithm.rollout_steps=1
     "mlp_tokens", "mlp_flow policy.flow.method=noise"])
 def test_training_changes_parameters_and_checkpoint_reloads_to_identical_actions(ray_cluster, tmp_path, policy):
     cfg = small_config(f"runner.run_dir={tmp_path}", "runner.total_env_steps=120", *f"policy={policy}".split())
-    trainer = Trainer(cfg, tmp_path)
-    try:
-        before = trainer.workers.actor.call("get_weights")[0]
-        summary = trainer.train()
-        after = trainer.workers.actor.call("get_weights")[0]
-    finally:
-        trainer.close()
+    before, summary, after = train_between_weights(cfg, tmp_path)
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     trained = set(before) - {"action_stats"}  # a token policy's action statistics are SFT's to set
     assert set(changed) == trained, f"unchanged parameters: {trained - set(changed)}"
@@ -71,13 +65,7 @@ def test_grpo_trains_a_token_policy_on_whole_horizon_episodes_in_groups(ray_clus
     cfg = small_config(f"runner.run_dir={tmp_path}", "algorithm=grpo", "policy=mlp_tokens", "algorithm.group_size=2",
                        "env.max_episode_steps=8", "algorithm.rollout_steps=8", "runner.total_env_steps=64",
                        "algorithm.filter_uniform_groups=false")
-    trainer = Trainer(cfg, tmp_path)
-    try:
-        before = trainer.workers.actor.call("get_weights")[0]
-        trainer.train()
-        after = trainer.workers.actor.call("get_weights")[0]
-    finally:
-        trainer.close()
+    before, _, after = train_between_weights(cfg, tmp_path)
     actor = [k for k in before if k.startswith("actor.")]
     assert all(not torch.equal(before[k], after[k]) for k in actor)
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("value_head."))  # vf_coef 0
