@@ -1,0 +1,82 @@
+"""What pi0 / pi0.5 see, built as their reference pre-processing builds it (lerobot 0.6.1):
+images resized with padding to the vision size and mapped to [-1, 1], the state normalised (pi0:
+mean/std; pi0.5: quantiles) and padded, the prompt (pi0: the task and a newline; pi0.5: the task and
+the normalised state cut into 256 bins), and the actions un-normalised on the way out.
+
+Shapes: images ``[B, 3, H, W]`` float in [0, 1]; states ``[B, S]``; actions ``[B, H, A]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+STATE_BINS = 256  # pi0.5's prompt: the normalised state in [-1, 1] as bin indices 0 .. 255
+
+
+def resize_with_pad(images: torch.Tensor, size: int) -> torch.Tensor:
+    """``[B, 3, H, W]`` in [0, 1] -> ``[B, 3, size, size]``: scaled (bilinear) so the longer side fits,
+    clamped to [0, 1], then centred on black (the odd pixel of padding at the bottom / right)."""
+    h, w = images.shape[-2:]
+    if (h, w) == (size, size):
+        return images
+    ratio = max(w / size, h / size)
+    new_h, new_w = int(h / ratio), int(w / ratio)
+    resized = nn.functional.interpolate(images.float(), size=(new_h, new_w), mode="bilinear",
+                                        align_corners=False).clamp(0.0, 1.0)
+    top, left = (size - new_h) // 2, (size - new_w) // 2
+    return nn.functional.pad(resized, (left, size - new_w - left, top, size - new_h - top), value=0.0)
+
+
+def vision_input(images: torch.Tensor, size: int) -> torch.Tensor:
+    """The vision tower's input: resized with padding, then mapped from [0, 1] to [-1, 1]."""
+    return resize_with_pad(images, size) * 2.0 - 1.0
+
+
+def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the last dimension to ``width`` (never truncates)."""
+    return nn.functional.pad(x, (0, max(width - x.shape[-1], 0)))
+
+
+def pi0_prompt(task: str) -> str:
+    """pi0's prompt: the task, ending in a newline."""
+    return task if task.endswith("\n") else task + "\n"
+
+
+def pi05_prompt(task: str, state: torch.Tensor) -> str:
+    """pi0.5's prompt for one normalised state ``[S]``: ``Task: <task>, State: <bins>;\\nAction: ``, the
+    task stripped with ``_`` and newlines as spaces, each number its bin of ``[-1, 1]`` cut in 256
+    (below -1: -1; at or above the last edge: 255)."""
+    edges = torch.linspace(-1.0, 1.0, STATE_BINS + 1, dtype=torch.float64)[:-1]
+    bins = torch.bucketize(state.double().cpu(), edges, right=True) - 1
+    clean = task.strip().replace("_", " ").replace("\n", " ")
+    return f"Task: {clean}, State: {' '.join(str(int(b)) for b in bins)};\nAction: "
+
+
+@dataclass
+class Normalizer:
+    """A feature's statistics and the rule the checkpoint trained with: ``mean_std`` (pi0:
+    ``(x - mean) / (std + eps)``, back ``y * std + mean``) or ``quantiles`` (pi0.5: ``q01 .. q99`` to
+    ``[-1, 1]``, no clipping; where ``q99 == q01`` the width is ``eps``)."""
+
+    mode: str
+    stats: dict[str, torch.Tensor]
+    eps: float = 1e-8
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        s = {k: v.to(x.device, x.dtype) for k, v in self.stats.items()}
+        if self.mode == "mean_std":
+            return (x - s["mean"]) / (s["std"] + self.eps)
+        return 2 * (x - s["q01"]) / self._width(s) - 1
+
+    def unnormalize(self, y: torch.Tensor) -> torch.Tensor:
+        s = {k: v.to(y.device, y.dtype) for k, v in self.stats.items()}
+        if self.mode == "mean_std":
+            return y * s["std"] + s["mean"]
+        return (y + 1) * self._width(s) / 2 + s["q01"]
+
+    def _width(self, s: dict[str, torch.Tensor]) -> torch.Tensor:
+        width = s["q99"] - s["q01"]
+        return torch.where(width == 0, torch.full_like(width, self.eps), width)
