@@ -1,0 +1,161 @@
+"""Reading pi0 / pi0.5 checkpoints in lerobot's public layout, offline, from a local directory:
+
+- ``config.json``: ``type`` (``pi0`` | ``pi05``), ``chunk_size``, ``max_action_dim``, ``max_state_dim``,
+  ``input_features`` / ``output_features`` (cameras, the state's and the action's sizes),
+  ``tokenizer_max_length``, ``num_inference_steps``, ``n_action_steps``;
+- ``model.safetensors``: the network (every key under ``model.``), whose tensor shapes give the
+  sizes (:func:`size_from_tensors`);
+- ``policy_preprocessor.json`` / ``policy_postprocessor.json`` and the normaliser state files they
+  name: the state's and the action's statistics and how each is normalised.
+
+openpi's PyTorch checkpoints hold the same names without ``model.``. Checkpoints converted from
+openpi keep the tied token embedding only as ``lm_head``: the reader takes it from there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from envs.common import UserError
+from policies.pi0.inputs import Normalizer
+from policies.pi0.model import PiSize, VisionSize
+from policies.pi0.transformer import StackSize
+
+VLM = "paligemma_with_expert.paligemma.model.language_model."
+EXPERT = "paligemma_with_expert.gemma_expert.model."
+VISION = "paligemma_with_expert.paligemma.model.vision_tower."
+QUERY_HEADS = 8  # both Gemma stacks of every published pi0 / pi0.5 (lerobot hard-codes it)
+NORM_MODES = {"MEAN_STD": "mean_std", "QUANTILES": "quantiles"}
+
+
+@dataclass
+class PiCheckpoint:
+    """What a checkpoint directory holds, read and checked."""
+
+    path: Path
+    config: dict
+    size: PiSize
+    tensors: dict[str, torch.Tensor]  # our module names
+    state: Normalizer | None
+    action: Normalizer | None
+
+    @property
+    def cameras(self) -> list[str]:
+        return [k for k, f in self.config["input_features"].items() if f["type"] == "VISUAL"]
+
+    @property
+    def action_dim(self) -> int:
+        return int(self.config["output_features"]["action"]["shape"][0])
+
+    @property
+    def state_dim(self) -> int:
+        return int(self.config["input_features"]["observation.state"]["shape"][0])
+
+
+def read_checkpoint(path: str | Path, vision_head_dim: int = 72) -> PiCheckpoint:
+    """Read ``path`` (see the module doc). ``vision_head_dim``: SigLIP's head size, which the tensors
+    do not show (72 in so400m; the tiny test checkpoints' is 16). Raises :class:`UserError` naming
+    the missing or wrong file."""
+    path = Path(path)
+    config = _json(path / "config.json")
+    if config.get("type") not in ("pi0", "pi05"):
+        raise UserError(f"{path}/config.json says type={config.get('type')!r}: not a pi0 or pi0.5 checkpoint "
+                        "(lerobot's config.json has type pi0 or pi05). Point policy.vla.model_path at one.")
+    weights = path / "model.safetensors"
+    if not weights.exists():
+        raise UserError(f"{path} has no model.safetensors: a pi0 checkpoint directory holds config.json, "
+                        "model.safetensors and the policy_pre/postprocessor files. Download all of them.")
+    tensors = our_names(load_file(str(weights)))
+    size = size_from_tensors(tensors, config, vision_head_dim)
+    state, action = _normalizers(path, config["type"])
+    return PiCheckpoint(path, config, size, tensors, state, action)
+
+
+def our_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """lerobot's (``model.`` prefix) or openpi's names -> ours: the vision tower's ``vision_model.``
+    level dropped (transformers 5.6 flattened SigLIP), the token embedding from ``lm_head`` where a
+    converted checkpoint tied it away, and the unused ``lm_head`` s left out."""
+    out = {}
+    for name, tensor in tensors.items():
+        name = name.removeprefix("model.")
+        name = name.replace("vision_tower.vision_model.", "vision_tower.")
+        if not name.endswith("lm_head.weight"):
+            out[name] = tensor
+    embed = VLM + "embed_tokens.weight"
+    if embed not in out:
+        tied = next((t for n, t in tensors.items() if n.removeprefix("model.") == "paligemma_with_expert.paligemma."
+                     "lm_head.weight"), None)
+        if tied is not None:
+            out[embed] = tied
+    return out
+
+
+def _stack(tensors: dict[str, torch.Tensor], prefix: str) -> StackSize:
+    depth = len({m.group(1) for n in tensors if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", n))})
+    layer = prefix + "layers.0."
+    q, k = tensors[layer + "self_attn.q_proj.weight"], tensors[layer + "self_attn.k_proj.weight"]
+    head_dim = q.shape[0] // QUERY_HEADS
+    return StackSize(width=q.shape[1], depth=depth, mlp_dim=tensors[layer + "mlp.gate_proj.weight"].shape[0],
+                     num_heads=QUERY_HEADS, num_kv_heads=k.shape[0] // head_dim, head_dim=head_dim)
+
+
+def size_from_tensors(tensors: dict[str, torch.Tensor], config: dict, vision_head_dim: int) -> PiSize:
+    """The network's sizes as the checkpoint's tensors show them."""
+    try:
+        patch = tensors[VISION + "embeddings.patch_embedding.weight"]
+        positions = tensors[VISION + "embeddings.position_embedding.weight"].shape[0]
+        vision_depth = len({m.group(1) for n in tensors
+                            if (m := re.match(re.escape(VISION) + r"encoder\.layers\.(\d+)\.", n))})
+        vision = VisionSize(hidden=patch.shape[0], depth=vision_depth, heads=patch.shape[0] // vision_head_dim,
+                            mlp_dim=tensors[VISION + "encoder.layers.0.mlp.fc1.weight"].shape[0],
+                            patch=patch.shape[-1], image_size=round(positions**0.5) * patch.shape[-1])
+        return PiSize(pi05=config["type"] == "pi05", vlm=_stack(tensors, VLM), expert=_stack(tensors, EXPERT),
+                      vision=vision, vocab_size=tensors[VLM + "embed_tokens.weight"].shape[0],
+                      max_action_dim=tensors["action_in_proj.weight"].shape[1],
+                      max_state_dim=int(config.get("max_state_dim", 32)), chunk_size=int(config["chunk_size"]))
+    except KeyError as missing:
+        raise UserError(f"model.safetensors has no tensor {missing}: not a pi0 / pi0.5 network in lerobot's or "
+                        "openpi's layout (or a truncated download).") from None
+
+
+def _normalizers(path: Path, kind: str) -> tuple[Normalizer | None, Normalizer | None]:
+    """The state's statistics (pre-processor) and the action's (post-processor), in the files the
+    processors' JSON names."""
+    state = _normalizer(path, "policy_preprocessor.json", "normalizer_processor", "observation.state", "STATE")
+    action = _normalizer(path, "policy_postprocessor.json", "unnormalizer_processor", "action", "ACTION")
+    return state, action
+
+
+def _normalizer(path: Path, pipeline: str, step_name: str, feature: str, kind: str) -> Normalizer | None:
+    spec = _json(path / pipeline)
+    step = next((s for s in spec.get("steps", []) if s.get("registry_name") == step_name), None)
+    if step is None:
+        raise UserError(f"{path / pipeline} has no {step_name} step: the checkpoint's {feature} statistics are not "
+                        "in it. Use the processor files saved with the checkpoint.")
+    mode = step["config"]["norm_map"].get(kind, "IDENTITY")
+    if mode == "IDENTITY":
+        return None
+    if mode not in NORM_MODES:
+        raise UserError(f"{path / pipeline}: {feature} is normalised by {mode}; pi0 checkpoints use one of "
+                        f"{sorted(NORM_MODES)}.")
+    state_file = path / step["state_file"]
+    if not state_file.exists():
+        raise UserError(f"{state_file} is missing: {pipeline} names it for the {feature} statistics. Download it "
+                        "with the checkpoint.")
+    stats = {k.removeprefix(feature + "."): v for k, v in load_file(str(state_file)).items()
+             if k.startswith(feature + ".")}
+    return Normalizer(NORM_MODES[mode], stats, float(step["config"].get("eps", 1e-8)))
+
+
+def _json(path: Path) -> dict:
+    if not path.exists():
+        raise UserError(f"{path} is missing: a pi0 / pi0.5 checkpoint directory (lerobot's layout) holds "
+                        "config.json, model.safetensors, policy_preprocessor.json and policy_postprocessor.json "
+                        "with their normaliser files.")
+    return json.loads(path.read_text())

@@ -1,0 +1,93 @@
+"""pi0 / pi0.5 against lerobot 0.6.1, on tiny random-weight checkpoints lerobot itself built and ran
+(assets/reference/pi0*_tiny*, benchmarks/reference/make_pi0_fixtures.sh): given the same inputs and
+noise, our images, prompts, normalised states, prefix keys and values, every Euler step's velocity,
+the action chunk, the un-normalised actions and the flow-matching loss equal theirs (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from policies.pi0.checkpoint import read_checkpoint
+from policies.pi0.inputs import pad_to, pi0_prompt, pi05_prompt, vision_input
+from policies.pi0.model import PiZero
+from tests.reference import ASSETS
+
+# fixture -> SigLIP's head size there (the tensors do not show it)
+FIXTURES = {"pi0_tiny": 16, "pi05_tiny": 16, "pi0_tiny_1cam": 8, "pi05_tiny_1cam": 8}
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _close(ours: torch.Tensor, theirs: np.ndarray, what: str) -> None:
+    torch.testing.assert_close(ours, torch.from_numpy(np.asarray(theirs)), **TOL, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture(scope="module", params=list(FIXTURES))
+def case(request):
+    name = request.param
+    ckpt = read_checkpoint(ASSETS / name, vision_head_dim=FIXTURES[name])
+    model = PiZero(ckpt.size).eval()
+    model.load_state_dict(ckpt.tensors, strict=True)
+    return name, ckpt, model, dict(np.load(ASSETS / f"{name}_outputs.npz"))
+
+
+def _inputs(ckpt, model, ref):
+    """Our pre-processing of the fixture's raw frames, state and (given) prompt tokens."""
+    frames = torch.from_numpy(ref["frames_u8"]).permute(0, 1, 4, 2, 3).float() / 255  # [cams, B, 3, H, W]
+    images = [vision_input(f, ckpt.size.vision.image_size) for f in frames]
+    masks = [torch.ones(f.shape[0], dtype=torch.bool) for f in frames]
+    tokens, token_masks = torch.from_numpy(ref["tokens"]), torch.from_numpy(ref["token_mask"])
+    state = ckpt.state.normalize(torch.from_numpy(ref["state"]))
+    return images, masks, tokens, token_masks, state
+
+
+@torch.no_grad()
+def test_images_prompts_and_states_are_prepared_as_lerobot_does(case):
+    name, ckpt, model, ref = case
+    images, _, _, _, state = _inputs(ckpt, model, ref)
+    _close(torch.stack(images), ref["images"], "images")
+    _close(state, ref["state_norm"], "normalised state")
+    if ckpt.size.pi05:
+        prompts = [pi05_prompt(task, s) for task, s in zip(ref["tasks"], state, strict=True)]
+        extra = [pi05_prompt(str(t), torch.from_numpy(s)) for t, s in zip(ref["prompt_tasks"], ref["prompt_states"],
+                                                                          strict=True)]
+        assert extra == list(ref["prompt_strings"])
+    else:
+        prompts = [pi0_prompt(str(task)) for task in ref["tasks"]]
+    assert prompts == list(ref["prompts"])
+
+
+@torch.no_grad()
+def test_prefix_velocities_and_actions_equal_lerobots(case):
+    name, ckpt, model, ref = case
+    images, masks, tokens, token_masks, state = _inputs(ckpt, model, ref)
+    prefix = model.prefix(images, masks, tokens, token_masks)
+    assert torch.equal(prefix.pad, torch.from_numpy(ref["prefix_pad_masks"]))
+    for layer, tag in ((0, "layer0"), (-1, "last")):
+        _close(prefix.kv[layer][0], ref[f"prefix_k_{tag}"], f"prefix keys, {tag}")
+        _close(prefix.kv[layer][1], ref[f"prefix_v_{tag}"], f"prefix values, {tag}")
+    padded_state = None if ckpt.size.pi05 else pad_to(state, ckpt.size.max_state_dim)
+    x = torch.from_numpy(ref["noise"])
+    steps = int(ckpt.config["num_inference_steps"])
+    for k in range(steps):  # each step from lerobot's own input, so a wrong step is named, not smeared
+        t = torch.from_numpy(ref["step_t"][k])
+        v = model.velocity(prefix, padded_state, x, t)
+        _close(v, ref["step_v"][k], f"velocity at step {k}")
+        x = torch.from_numpy(ref["step_x_out"][k])
+    chunk = model.sample(prefix, padded_state, torch.from_numpy(ref["noise"]), steps)
+    _close(chunk, ref["actions_model"], "action chunk")
+    _close(ckpt.action.unnormalize(chunk[..., :ckpt.action_dim]), ref["actions"], "un-normalised actions")
+
+
+@torch.no_grad()
+def test_the_flow_matching_loss_equals_lerobots(case):
+    name, ckpt, model, ref = case
+    images, masks, tokens, token_masks, state = _inputs(ckpt, model, ref)
+    actions = ckpt.action.normalize(torch.from_numpy(ref["train_actions"]))
+    _close(actions, ref["train_actions_norm"], "normalised actions")
+    prefix = model.prefix(images, masks, tokens, token_masks)
+    padded_state = None if ckpt.size.pi05 else pad_to(state, ckpt.size.max_state_dim)
+    loss = model.flow_loss(prefix, padded_state, pad_to(actions, ckpt.size.max_action_dim),
+                           torch.from_numpy(ref["train_noise"]), torch.from_numpy(ref["train_time"]))
+    _close(loss, ref["train_loss"], "per-element loss")
