@@ -91,3 +91,24 @@ def test_the_flow_matching_loss_equals_lerobots(case):
     loss = model.flow_loss(prefix, padded_state, pad_to(actions, ckpt.size.max_action_dim),
                            torch.from_numpy(ref["train_noise"]), torch.from_numpy(ref["train_time"]))
     _close(loss, ref["train_loss"], "per-element loss")
+
+
+@pytest.mark.parametrize("kind", ["pi0", "pi05"])
+def test_the_3b_network_has_every_tensor_of_the_public_layout(kind):
+    """Built on the meta device (no memory): our names and shapes are lerobot's 3B checkpoint's
+    (assets/reference/<kind>_3b_layout.json, dumped from lerobot's own model), less the two unused
+    ``lm_head`` s; about 3.2B / 3.4B parameters."""
+    import json
+
+    from policies.pi0.checkpoint import our_names
+    from policies.pi0.model import PiSize
+
+    public = json.loads((ASSETS / f"{kind}_3b_layout.json").read_text())
+    expected = {name: tuple(t.shape) for name, t in
+                our_names({k: torch.empty(shape, device="meta") for k, shape in public.items()}).items()}
+    with torch.device("meta"):
+        model = PiZero(PiSize(pi05=kind == "pi05"))
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == expected
+    assert sum(torch.Size(s).numel() for s in shapes.values()) == pytest.approx(3.23e9 if kind == "pi0" else 3.35e9,
+                                                                                 rel=0.01)

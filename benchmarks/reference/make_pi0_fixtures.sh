@@ -40,4 +40,5 @@ fi
 
 cd "$repo"
 HF_HUB_OFFLINE=1 "$refenv/bin/python" "$here/pi0_fixtures.py" all --src "$src" --out assets/reference
+HF_HUB_OFFLINE=1 "$refenv/bin/python" "$here/pi0_fixtures.py" layouts --src "$src" --out assets/reference
 du -ch assets/reference/pi0*_tiny* | tail -1

@@ -599,9 +599,34 @@ def build(lr, name: str, out_root: Path) -> None:
     print(f"{name}: {len(results)} arrays -> {npz} ({size / 1e6:.2f} MB with the checkpoint)")
 
 
+def dump_layout(lr, kind: str, out_root: Path) -> None:
+    """The public 3B network's tensors (lerobot's default sizes: gemma_2b, gemma_300m, SigLIP so400m),
+    ``{name: shape}`` as a downloaded ``model.safetensors`` holds them, built on the meta device."""
+    ft = lr.types
+    config_cls, policy_cls = (lr.c0.PI0Config, lr.m0.PI0Policy) if kind == "pi0" else (lr.c5.PI05Config,
+                                                                                       lr.m5.PI05Policy)
+    inputs = {cam: ft.PolicyFeature(type=ft.FeatureType.VISUAL, shape=(3, 224, 224))
+              for cam in ("observation.images.image", "observation.images.image2")}
+    inputs["observation.state"] = ft.PolicyFeature(type=ft.FeatureType.STATE, shape=(8,))
+    config = config_cls(device="cpu", dtype="float32", input_features=inputs,
+                        output_features={"action": ft.PolicyFeature(type=ft.FeatureType.ACTION, shape=(7,))})
+    move = torch.nn.Module.to
+    torch.nn.Module.to = lambda module, *args, **kwargs: module  # the policy moves itself to config.device
+    try:
+        with torch.device("meta"):
+            policy = policy_cls(config)
+    finally:
+        torch.nn.Module.to = move
+    shapes = {k: list(v.shape) for k, v in policy.state_dict().items()}
+    path = out_root / f"{kind}_3b_layout.json"
+    path.write_text(json.dumps(shapes, indent=0, sort_keys=True) + "\n")
+    print(f"{kind}: {len(shapes)} tensors -> {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("name", choices=[*SHAPES, "all"])
+    parser.add_argument("name", choices=[*SHAPES, "all", "layouts"],
+                        help="a fixture, all of them, or the 3B layouts (pi0_3b_layout.json, pi05_3b_layout.json)")
     parser.add_argument("--src", type=Path, required=True, help="directory holding lerobot/ (0.6.1)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -611,6 +636,10 @@ def main() -> None:
     version = lerobot_version(lr)
     if version != "0.6.1":
         raise SystemExit(f"--src is lerobot {version}, not 0.6.1")
+    if args.name == "layouts":
+        for kind in ("pi0", "pi05"):
+            dump_layout(lr, kind, args.out)
+        return
     for name in SHAPES if args.name == "all" else [args.name]:
         build(lr, name, args.out)
 
