@@ -98,6 +98,20 @@ class FlowConfig:
 
 
 @dataclass
+class PiConfig:
+    """``policy.pi``: pi0 and pi0.5 (policies/pi0/), read with ``policy.vla`` (``model_path``: a lerobot-layout
+    checkpoint directory; ``cameras``: the env's images in the checkpoint's camera order; ``instruction``) and
+    ``policy.flow`` (the chain RL samples; ``eval_steps``: the checkpoint's 10 Euler steps)."""
+
+    variant: str = "pi0"  # a tiny network from scratch (vla.model_path null): pi0 | pi05 (a checkpoint says its own)
+    # a local PaliGemma tokenizer directory (AutoTokenizer; checkpoints ship none); null: a byte-level one (tiny only)
+    tokenizer_path: str | None = None
+    vision_head_dim: int = ranged(72, 1)  # SigLIP's head size (so400m: 72), which a checkpoint's tensors do not show
+    # prompt tokens, right-padded; null: the checkpoint's tokenizer_max_length (pi0 48, pi0.5 200), 48 without one
+    max_tokens: int | None = ranged(None, 1)
+
+
+@dataclass
 class PolicyConfig:
     name: str = "mlp"  # registered in policies/registry.py
     # actions per decision (an action chunk, executed open loop by the env worker; policies that chunk)
@@ -107,6 +121,7 @@ class PolicyConfig:
     net: NetConfig = field(default_factory=NetConfig)
     vla: VLAConfig = field(default_factory=VLAConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
+    pi: PiConfig = field(default_factory=PiConfig)
 
 
 SECTIONS = {"net": NetConfig, "vla": VLAConfig}  # the sections of the former flat keys

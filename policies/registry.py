@@ -15,6 +15,7 @@ def _import_policies() -> None:
     import policies.mlp_flow  # noqa: F401
     import policies.mlp_sac  # noqa: F401
     import policies.mlp_tokens  # noqa: F401
+    import policies.pi0.policy  # noqa: F401
     import policies.random  # noqa: F401
     import policies.vla.oft  # noqa: F401
     import policies.vla.policy  # noqa: F401

@@ -188,5 +188,6 @@ def test_each_family_reads_its_own_section():
 
     check_policy_name("mlp")  # imports every policy module
     sections = {name: cls.config_sections for name, cls in POLICIES.items()}
-    assert {n for n, s in sections.items() if "vla" in s} == {"openvla", "openvla_oft", "qwen_vl"}
-    assert {s for names in sections.values() for s in names} == {"net", "vla", "flow"}
+    assert {n for n, s in sections.items() if "vla" in s} == {"openvla", "openvla_oft", "qwen_vl", "pi0"}
+    assert {n for n, s in sections.items() if "pi" in s} == {"pi0"}
+    assert {s for names in sections.values() for s in names} == {"net", "vla", "flow", "pi"}

@@ -109,6 +109,10 @@ def size_from_tensors(tensors: dict[str, torch.Tensor], config: dict, vision_hea
     """The network's sizes as the checkpoint's tensors show them."""
     try:
         patch = tensors[VISION + "embeddings.patch_embedding.weight"]
+        if patch.shape[0] % vision_head_dim:
+            raise UserError(f"the checkpoint's SigLIP is {patch.shape[0]} wide, which heads of "
+                            f"policy.pi.vision_head_dim={vision_head_dim} do not divide. Set the head size it was "
+                            "built with (so400m, the public checkpoints': 72).")
         positions = tensors[VISION + "embeddings.position_embedding.weight"].shape[0]
         vision_depth = len({m.group(1) for n in tensors
                             if (m := re.match(re.escape(VISION) + r"encoder\.layers\.(\d+)\.", n))})

@@ -115,10 +115,21 @@ class PaliGemmaWithExpert(nn.Module):
 @dataclass
 class Prefix:
     """What the expert attends to: every VLM layer's keys and values ``[B, kv_heads, P, Hd]`` and
-    which of the ``P`` prefix tokens are real (``pad [B, P]``)."""
+    which of the ``P`` prefix tokens are real (``pad [B, P]``); and the VLM's output ``hidden [B, P, W]``."""
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     pad: torch.Tensor
+    hidden: torch.Tensor
+
+    def repeat_interleave(self, repeats: int, dim: int = 0) -> Prefix:
+        """Each sample ``repeats`` times in a row (a batch of several chain steps per sample)."""
+        kv = [(k.repeat_interleave(repeats, dim), v.repeat_interleave(repeats, dim)) for k, v in self.kv]
+        return Prefix(kv, self.pad.repeat_interleave(repeats, dim), self.hidden.repeat_interleave(repeats, dim))
+
+    def pooled(self) -> torch.Tensor:
+        """``[B, W]``: the mean of the real tokens' output."""
+        weights = self.pad[..., None].to(self.hidden.dtype)
+        return (self.hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
 
 
 def time_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -181,7 +192,8 @@ class PiZero(nn.Module):
         embs, pad = self.embed_prefix(images, image_masks, tokens, token_masks)
         mask = additive(attention_mask_2d(pad, torch.zeros_like(pad, dtype=torch.long)))
         positions = torch.cumsum(pad, dim=1) - 1  # padding repeats the last position
-        return Prefix(self.vlm.model.language_model.cache(embs, positions, mask), pad)
+        kv, hidden = self.vlm.model.language_model.cache(embs, positions, mask)
+        return Prefix(kv, pad, hidden)
 
     # -- the suffix ----------------------------------------------------------------------------------
     def embed_suffix(self, state: torch.Tensor | None, x_t: torch.Tensor, t: torch.Tensor

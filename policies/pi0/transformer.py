@@ -143,14 +143,15 @@ class GemmaStack(nn.Module):
         angles = torch.cat([freqs, freqs], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def cache(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """The keys and values of every layer over the prefix ``x [B, P, W]`` (the last layer's output
-        and the final norm are not needed by anything that attends to it)."""
+    def cache(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """The keys and values of every layer over the prefix ``x [B, P, W]``, and the stack's output
+        ``[B, P, W]`` (final norm applied: what a value head reads; the expert needs only the keys and values)."""
         rope, kv = self.rope(positions, x.dtype), []
         for layer in self.layers:
             x, own = layer(x, rope, mask, None)
             kv.append(own)
-        return kv
+        return kv, self.norm(x)[0]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 past: list[tuple[torch.Tensor, ...]] | None = None, cond: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,192 @@
+"""``policy=pi0``: pi0 / pi0.5 behind the Policy protocol, as a chain-sampled flow policy
+(policies/flow_policy.py): rollouts sample the denoising chain (Flow-SDE or Flow-Noise), the update
+re-scores it, evaluation runs the checkpoint's Euler ODE.
+
+- weights: a lerobot-layout checkpoint (``policy.vla.model_path``; policies/pi0/checkpoint.py), or a
+  tiny network from scratch (``policy.pi.variant``) for CPU runs and tests;
+- observations: the cameras ``policy.vla.cameras`` (uint8 ``[B, H, W, 3]``, in the checkpoint's camera
+  order), ``state [B, S]`` and the instruction (``instruction`` or ``policy.vla.instruction``), made into
+  the model's inputs as lerobot does (policies/pi0/inputs.py);
+- the chain: ``x`` is the model's whole chunk, ``D = H * 32`` numbers (``H`` the checkpoint's
+  chunk, 32 its padded action size), so sampling from the same noise is the reference's; the env
+  executes the first ``policy.chunk_size`` actions of it, cropped to the env's action size and
+  un-normalised with the checkpoint's statistics;
+- value: a linear head on the mean of the VLM's output over the real prefix tokens; Flow-Noise's
+  std: a linear head on each action token's ``x_t`` and the time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from envs.common import UserError
+from policies.base import POLICIES, layer_init, rowwise_exact
+from policies.flow_policy import FlowMatchingPolicy, time_features
+from policies.pi0.checkpoint import PiCheckpoint, read_checkpoint
+from policies.pi0.inputs import Normalizer, pad_to, pi0_prompt, pi05_prompt, vision_input
+from policies.pi0.model import PiSize, PiZero, Prefix, VisionSize
+from policies.pi0.transformer import StackSize
+from policies.vla.processor import byte_tokenizer
+
+VARIANTS = ("pi0", "pi05")
+TIME_FEATURES = 16
+
+
+def tiny_size(variant: str, chunk: int) -> PiSize:
+    """A network of about 0.3M parameters (56 px images: 16 patches) for CPU runs and tests."""
+    return PiSize(pi05=variant == "pi05", vlm=StackSize(64, 2, 128, 8, 1, 16), expert=StackSize(32, 2, 64, 8, 1, 16),
+                  vision=VisionSize(32, 2, 2, 64, 14, 56), vocab_size=len(byte_tokenizer(0)), chunk_size=chunk)
+
+
+class Features:
+    """What :meth:`PiPolicy.heads` gives the chain: the prefix and pi0's padded, normalised state."""
+
+    def __init__(self, prefix: Prefix, state: torch.Tensor | None):
+        self.prefix, self.state = prefix, state
+
+    def repeat_interleave(self, repeats: int, dim: int = 0) -> Features:
+        state = None if self.state is None else self.state.repeat_interleave(repeats, dim)
+        return Features(self.prefix.repeat_interleave(repeats, dim), state)
+
+
+@POLICIES.register("pi0")
+class PiPolicy(FlowMatchingPolicy):
+    config_sections = ("vla", "flow", "pi")
+
+    def __init__(self, cfg, obs_spec: dict, action_dim: int):
+        super().__init__()
+        ckpt = read_checkpoint(cfg.vla.model_path, cfg.pi.vision_head_dim) if cfg.vla.model_path else None
+        self.size = ckpt.size if ckpt else tiny_size(cfg.pi.variant, max(cfg.chunk_size, 4))
+        self._setup_flow(cfg, action_dim)
+        self.width = self.size.chunk_size * self.size.max_action_dim  # the chain is the model's whole chunk
+        self.noise_dim = (self.steps + 1) * self.width + 1
+        self.model = PiZero(self.size)
+        if ckpt is not None:
+            self.model.load_state_dict(ckpt.tensors, strict=True)
+        self.state_norm, self.action_norm = _normalizers(ckpt, obs_spec, action_dim)
+        self.cameras, self.instruction = list(cfg.vla.cameras), cfg.vla.instruction
+        self.tokenizer = _tokenizer(cfg.pi.tokenizer_path, ckpt)
+        self.max_tokens = cfg.pi.max_tokens or (ckpt.config.get("tokenizer_max_length", 48) if ckpt else 48)
+        width = self.size.vlm.width
+        self.critic = layer_init(nn.Linear(width, 1), gain=1.0)
+        self.noise_head = layer_init(nn.Linear(self.size.max_action_dim + TIME_FEATURES, self.size.max_action_dim),
+                                     gain=0.01) if cfg.flow.method == "noise" else None
+        self.freeze_trunk(cfg.flow.train)
+
+    @classmethod
+    def check_config(cls, cfg, action_dim: int | None) -> list[str]:
+        """The variant, the checkpoint's files and sizes, before any worker starts."""
+        notes = super().check_config(cfg, action_dim)
+        if cfg.pi.variant not in VARIANTS:
+            raise UserError(f"policy.pi.variant={cfg.pi.variant}: pick one of {list(VARIANTS)}.")
+        if not cfg.vla.model_path:
+            return notes
+        ckpt = read_checkpoint(cfg.vla.model_path, cfg.pi.vision_head_dim)
+        if action_dim is not None and ckpt.action_dim != action_dim:
+            raise UserError(f"{ckpt.path} acts in {ckpt.action_dim} dimensions (config.json output_features), but "
+                            f"this env takes {action_dim}. Use the checkpoint on the robot it was trained for.")
+        if cfg.chunk_size > ckpt.size.chunk_size:
+            raise UserError(f"policy.chunk_size={cfg.chunk_size}, but {ckpt.path} predicts chunks of "
+                            f"{ckpt.size.chunk_size}. Execute at most that many (its n_action_steps: "
+                            f"{ckpt.config.get('n_action_steps')}).")
+        if len(cfg.vla.cameras) != len(ckpt.cameras):
+            raise UserError(f"policy.vla.cameras={list(cfg.vla.cameras)}, but {ckpt.path} reads "
+                            f"{len(ckpt.cameras)} camera(s) ({', '.join(ckpt.cameras)}): name the env's images in "
+                            "that order.")
+        return notes + [f"pi0 checkpoint {ckpt.path}: {ckpt.config['type']}, chunks of {ckpt.size.chunk_size}"]
+
+    def freeze_trunk(self, train: str) -> None:
+        """``policy.flow.train=expert``: the VLM (vision tower, projector, language model) keeps its weights."""
+        if train == "expert" and hasattr(self, "model"):
+            self.model.vlm.requires_grad_(False)
+
+    # -- observations -> the model's inputs ------------------------------------------------------
+    def _prompts(self, obs: dict[str, torch.Tensor], state: torch.Tensor | None) -> list[str]:
+        from policies.vla.policy import instructions_of
+
+        tasks = instructions_of({"rgb": obs[self.cameras[0]], **obs}, self.instruction)
+        if self.size.pi05:
+            return [pi05_prompt(task, s) for task, s in zip(tasks, state, strict=True)]
+        return [pi0_prompt(task) for task in tasks]
+
+    def _tokens(self, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """BOS, the prompt, right padding with 0 to ``max_tokens`` (longer prompts are cut)."""
+        tokens = torch.zeros(len(prompts), self.max_tokens, dtype=torch.long)
+        mask = torch.zeros(len(prompts), self.max_tokens, dtype=torch.bool)
+        for i, prompt in enumerate(prompts):
+            ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(prompt, add_special_tokens=False)]
+            ids = ids[:self.max_tokens]
+            tokens[i, :len(ids)], mask[i, :len(ids)] = torch.tensor(ids), True
+        return tokens.to(device), mask.to(device)
+
+    def heads(self, obs: dict[str, torch.Tensor]) -> tuple[Features, torch.Tensor]:
+        first = obs[self.cameras[0]]
+        images = [vision_input(obs[c].permute(0, 3, 1, 2).float() / 255, self.size.vision.image_size)
+                  for c in self.cameras]
+        masks = [torch.ones(first.shape[0], dtype=torch.bool, device=first.device) for _ in self.cameras]
+        state = obs["state"].float() if "state" in obs else torch.zeros(first.shape[0], 0, device=first.device)
+        if self.state_norm is not None:
+            state = self.state_norm.normalize(state)
+        tokens, token_masks = self._tokens(self._prompts(obs, state), first.device)
+        prefix = self.model.prefix(images, masks, tokens, token_masks)
+        padded = None if self.size.pi05 else pad_to(state, self.size.max_state_dim)
+        return Features(prefix, padded), self.critic(prefix.pooled()).squeeze(-1)
+
+    # -- the chain -----------------------------------------------------------------------------------
+    def _chunk(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.size.chunk_size, self.size.max_action_dim))
+
+    def velocity(self, features: Features, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.model.velocity(features.prefix, features.state, self._chunk(x), t).flatten(1)
+
+    def noise_std(self, features: Features, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        tokens = self._chunk(x)
+        time = time_features(t, TIME_FEATURES)[:, None, :].expand(*tokens.shape[:2], -1)
+        squashed = rowwise_exact(torch.sigmoid, self.noise_head(torch.cat([tokens, time], -1)))
+        return (self.noise_min + (self.noise_max - self.noise_min) * squashed).flatten(1)
+
+    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
+        """The chunk's first ``chunk_size`` actions, cropped to the env's size and un-normalised:
+        ``[B, chunk_size, A]`` (``[B, A]`` for a chunk of one)."""
+        chunk = self._chunk(actions[:, -1 - self.width:-1])[:, :self.chunk_size, :self.action_dim]
+        decoded = chunk if self.action_norm is None else self.action_norm.unnormalize(chunk)
+        return decoded if self.chunk_size > 1 else decoded[:, 0]
+
+    def demo_loss(self, obs: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The flow-matching loss (pi0's: ``t ~ U(0.001, 1)``) on demo chunks ``targets [B, chunk_size, A]``,
+        normalised as the checkpoint's actions, padded to the model's chunk and action size."""
+        a = targets if self.action_norm is None else self.action_norm.normalize(targets)
+        a = nn.functional.pad(pad_to(a, self.size.max_action_dim), (0, 0, 0, self.size.chunk_size - a.shape[1]))
+        features, _ = self.heads(obs)
+        t = 0.001 + 0.999 * torch.rand(len(a), device=a.device)
+        loss = self.model.flow_loss(features.prefix, features.state, a, torch.randn_like(a), t)
+        return {"loss": loss[:, :targets.shape[1], :self.action_dim].mean()}
+
+
+def _normalizers(ckpt: PiCheckpoint | None, obs_spec: dict, action_dim: int
+                 ) -> tuple[Normalizer | None, Normalizer | None]:
+    """The checkpoint's statistics, checked against the env's sizes (a tiny network has none: actions
+    and states as the env gives them)."""
+    if ckpt is None:
+        return None, None
+    if ckpt.action_dim != action_dim:
+        raise UserError(f"{ckpt.path} acts in {ckpt.action_dim} dimensions (its config.json output_features), but "
+                        f"this env takes {action_dim}. Use the checkpoint on the robot it was trained for.")
+    state = obs_spec.get("state", ((0,), None))[0][0]
+    if ckpt.state is not None and state != ckpt.state_dim:
+        raise UserError(f"{ckpt.path} reads a {ckpt.state_dim}-number state, but this env's state has {state}. Use "
+                        "the env settings the checkpoint was trained with.")
+    return ckpt.state, ckpt.action
+
+
+def _tokenizer(path: str | None, ckpt: PiCheckpoint | None):
+    if path is None:
+        if ckpt is not None:
+            raise UserError(f"{ckpt.path}: pi0 checkpoints ship no tokenizer. Set policy.pi.tokenizer_path to a local "
+                            "copy of PaliGemma's (google/paligemma-3b-pt-224: tokenizer.json or tokenizer.model); "
+                            "nothing is downloaded at run time.")
+        return byte_tokenizer(0)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,0 +1,133 @@
+"""``policy=pi0`` (policies/pi0/policy.py): a lerobot checkpoint acting through the Policy protocol as
+lerobot does on the same observation and noise; the chain RL samples and re-scores; bad checkpoints
+refused before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import policies.pi0.policy as pi0_policy
+from embodied.config import compose
+from envs.base import encode_instructions
+from envs.common import UserError
+from policies.registry import check_policy_config, make_policy
+from tests.reference import ASSETS
+
+
+class FixtureTokenizer:
+    """The fixture's token ids for its prompts: lerobot's run used ids, not PaliGemma's tokenizer
+    (which is not downloadable here), so this stands in for the tokenizer and nothing else."""
+
+    bos_token_id = 2
+
+    def __init__(self, ref):
+        self.ids = {str(p): [int(i) for i, m in zip(row[1:], mask[1:], strict=True) if m]
+                    for p, row, mask in zip(ref["prompts"], ref["tokens"], ref["token_mask"], strict=True)}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.ids[text]
+
+
+def _fixture_policy(name: str, monkeypatch, **overrides):
+    ref = dict(np.load(ASSETS / f"{name}_outputs.npz"))
+    monkeypatch.setattr(pi0_policy, "_tokenizer", lambda path, ckpt: FixtureTokenizer(ref))
+    cameras = ["rgb", "wrist_rgb"][:ref["frames_u8"].shape[0]]
+    cfg = compose(["policy=pi0_tiny", f"policy.vla.model_path={ASSETS / name}",
+                   f"policy.vla.cameras=[{','.join(cameras)}]", "policy.pi.vision_head_dim=16",
+                   "policy.flow.eval_steps=10", "policy.chunk_size=5",
+                   *[f"{k}={v}" for k, v in overrides.items()]])
+    obs = {cam: torch.from_numpy(ref["frames_u8"][i]) for i, cam in enumerate(cameras)}
+    obs["state"] = torch.from_numpy(ref["state"])
+    obs["instruction"] = torch.from_numpy(encode_instructions([str(t) for t in ref["tasks"]]))
+    spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in obs.items()}
+    return make_policy(cfg.policy, spec, 7).eval(), obs, ref, cfg
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny", "pi05_tiny"])
+def test_a_lerobot_checkpoint_acts_as_lerobot_does(name, monkeypatch):
+    """Raw camera frames, state and instruction in; the first chunk_size of lerobot's un-normalised
+    actions out, from the same noise through the checkpoint's 10 Euler steps."""
+    policy, obs, ref, _ = _fixture_policy(name, monkeypatch)
+    noise = torch.zeros(len(ref["state"]), policy.noise_dim)
+    noise[:, :policy.width] = torch.from_numpy(ref["noise"]).flatten(1)
+    with torch.no_grad():
+        actions, _, _ = policy.act(obs, deterministic=True, noise=noise)
+    torch.testing.assert_close(policy.to_env(actions), torch.from_numpy(ref["actions"][:, :5]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["sde", "noise"])
+def test_rl_rescores_the_sampled_chain_to_the_same_log_probs(method, monkeypatch):
+    policy, obs, _, _ = _fixture_policy("pi0_tiny", monkeypatch, **{"policy.flow.method": method})
+    torch.manual_seed(0)
+    actions, logprob, value = policy.act(obs)
+    again, entropy, value_again = policy.evaluate(obs, actions)
+    torch.testing.assert_close(again, logprob)
+    torch.testing.assert_close(value_again, value)
+    assert logprob.shape == (2, policy.width) and entropy.shape == (2,)
+    again.sum().backward()  # gradients reach the expert through the re-scored chain
+    assert policy.model.action_in_proj.weight.grad is not None
+
+
+def test_expert_only_training_freezes_the_vlm(monkeypatch):
+    policy, obs, _, _ = _fixture_policy("pi0_tiny", monkeypatch, **{"policy.flow.train": "expert"})
+    assert not any(p.requires_grad for p in policy.model.vlm.parameters())
+    assert all(p.requires_grad for p in policy.model.expert.parameters())
+    policy.demo_loss(obs, torch.rand(2, 5, 7))["loss"].backward()
+    assert policy.model.action_out_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("variant", ["pi0_tiny", "pi05_tiny"])
+def test_a_tiny_network_from_scratch_acts_and_learns_from_demos(variant):
+    cfg = compose([f"policy={variant}"])
+    obs = {"rgb": torch.randint(0, 256, (3, 64, 64, 3), dtype=torch.uint8), "state": torch.randn(3, 9)}
+    policy = make_policy(cfg.policy, {k: (tuple(v.shape[1:]), v.dtype) for k, v in obs.items()}, 8)
+    actions, _, _ = policy.act(obs, deterministic=True)
+    assert policy.to_env(actions).shape == (3, 4, 8)
+    loss = policy.demo_loss(obs, torch.rand(3, 4, 8))["loss"]
+    loss.backward()
+    assert torch.isfinite(loss) and policy.model.paligemma_with_expert.paligemma.model.vision_tower \
+        .embeddings.patch_embedding.weight.grad is not None
+
+
+def _copy(tmp_path, name="pi0_tiny"):
+    target = tmp_path / name
+    shutil.copytree(ASSETS / name, target)
+    return target
+
+
+@pytest.mark.parametrize("breakage, words", [
+    (lambda d: (d / "policy_postprocessor_step_0_unnormalizer_processor.safetensors").unlink(),
+     ["unnormalizer_processor.safetensors is missing", "Download it"]),
+    (lambda d: (d / "model.safetensors").unlink(), ["no model.safetensors"]),
+    (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()),
+                                                          "type": "act"})), ["not a pi0 or pi0.5 checkpoint"]),
+])
+def test_a_broken_checkpoint_is_refused_before_workers_start(tmp_path, breakage, words):
+    ckpt = _copy(tmp_path)
+    breakage(ckpt)
+    cfg = compose(["policy=pi0_tiny", f"policy.vla.model_path={ckpt}", "policy.vla.cameras=[rgb,wrist_rgb]",
+                   "policy.pi.vision_head_dim=16"])
+    with pytest.raises(UserError) as err:
+        check_policy_config(cfg.policy, 7)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_a_checkpoint_of_another_robot_is_refused(tmp_path):
+    with pytest.raises(UserError, match="vision_head_dim=72 do not divide"):
+        check_policy_config(compose(["policy=pi0_tiny", f"policy.vla.model_path={ASSETS / 'pi0_tiny'}",
+                                     "policy.vla.cameras=[rgb,wrist_rgb]"]).policy, 7)
+    cfg = compose(["policy=pi0_tiny", f"policy.vla.model_path={ASSETS / 'pi0_tiny'}",
+                   "policy.vla.cameras=[rgb,wrist_rgb]", "policy.pi.vision_head_dim=16"])
+    with pytest.raises(UserError, match="acts in 7 dimensions"):
+        check_policy_config(cfg.policy, 8)
+    with pytest.raises(UserError, match="reads 2 camera"):
+        check_policy_config(compose(["policy=pi0_tiny", f"policy.vla.model_path={ASSETS / 'pi0_tiny'}",
+                                     "policy.pi.vision_head_dim=16"]).policy, 7)
+    with pytest.raises(UserError, match="ship no tokenizer"):
+        make_policy(cfg.policy, {"rgb": ((64, 64, 3), torch.uint8), "wrist_rgb": ((64, 64, 3), torch.uint8),
+                                 "state": ((8,), torch.float32)}, 7)
