@@ -163,3 +163,25 @@ def _chunk_error(policy, demos) -> float:
     with torch.no_grad():
         acted = policy.to_env(policy.act(demos.obs, deterministic=True, noise=noise)[0])
     return float((acted - targets).abs().mean())
+
+
+def test_sft_then_rl_of_a_tiny_pi0_run_end_to_end(cfg, demos, ray_cluster, tmp_path):
+    """``embodied sft policy=pi0_tiny`` (the flow-matching loss through the VLM and the expert), then
+    ``embodied train checkpoint=<sft run>``: Flow-SDE chains sampled by the rollout workers, re-scored
+    by a PPO update, and the final evaluation on the ODE."""
+    from embodied.cli import main as cli_main
+
+    overrides = [o for o in OVERRIDES if not o.startswith(("policy=", "sft.epochs"))]
+    pi0_cfg = compose([*overrides, f"sft.demos_dir={cfg.sft.demos_dir}", "policy=pi0_tiny", "sft.epochs=2"])
+    stats = train_sft(pi0_cfg, tmp_path / "sft")
+    assert stats["demos"] == 2 and stats["steps"] > 0
+    run_dir = tmp_path / "rl"
+    assert cli_main(["train", f"checkpoint={tmp_path / 'sft'}", "env.num_envs=2", "env.max_episode_steps=8",
+                     "placement.env_workers=1", "placement.env=0", "algorithm.rollout_steps=2",
+                     "algorithm.num_minibatches=1", "runner.total_env_steps=16", "eval.episodes=2",
+                     "eval.video_episodes=0", "runner.progress=false", f"runner.run_dir={run_dir}"]) == 0
+    result = json.loads((run_dir / "eval.json").read_text())
+    assert result["episodes"] == 2 and result["training"]["env_steps"] == 16
+    trained = load_checkpoint(run_dir)["actor"]["policy"]
+    sft = load_checkpoint(tmp_path / "sft")["actor"]["policy"]
+    assert not torch.equal(trained["model.action_in_proj.weight"], sft["model.action_in_proj.weight"])
