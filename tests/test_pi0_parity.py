@@ -28,7 +28,7 @@ def case(request):
     name = request.param
     ckpt = read_checkpoint(ASSETS / name, vision_head_dim=FIXTURES[name])
     model = PiZero(ckpt.size).eval()
-    model.load_state_dict(ckpt.tensors, strict=True)
+    model.load_state_dict(ckpt.tensors(), strict=True)
     return name, ckpt, model, dict(np.load(ASSETS / f"{name}_outputs.npz"))
 
 

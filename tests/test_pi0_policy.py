@@ -128,6 +128,11 @@ def test_a_checkpoint_of_another_robot_is_refused(tmp_path):
     with pytest.raises(UserError, match="reads 2 camera"):
         check_policy_config(compose(["policy=pi0_tiny", f"policy.vla.model_path={ASSETS / 'pi0_tiny'}",
                                      "policy.pi.vision_head_dim=16"]).policy, 7)
+    spec = {"rgb": ((64, 64, 3), torch.uint8), "wrist_rgb": ((64, 64, 3), torch.uint8), "state": ((9,), torch.float32)}
+    with pytest.raises(UserError, match="reads a state of 8 numbers, but this env.s has 9"):
+        pi0_policy.PiPolicy.check_observations(cfg.policy, spec, 7)
+    with pytest.raises(UserError, match="does not observe"):
+        pi0_policy.PiPolicy.check_observations(cfg.policy, {"rgb": spec["rgb"], "state": spec["state"]}, 7)
     with pytest.raises(UserError, match="ship no tokenizer"):
         make_policy(cfg.policy, {"rgb": ((64, 64, 3), torch.uint8), "wrist_rgb": ((64, 64, 3), torch.uint8),
                                  "state": ((8,), torch.float32)}, 7)

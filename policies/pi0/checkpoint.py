@@ -18,8 +18,10 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from envs.common import UserError
@@ -32,18 +34,23 @@ EXPERT = "paligemma_with_expert.gemma_expert.model."
 VISION = "paligemma_with_expert.paligemma.model.vision_tower."
 QUERY_HEADS = 8  # both Gemma stacks of every published pi0 / pi0.5 (lerobot hard-codes it)
 NORM_MODES = {"MEAN_STD": "mean_std", "QUANTILES": "quantiles"}
+T = TypeVar("T")
 
 
 @dataclass
 class PiCheckpoint:
-    """What a checkpoint directory holds, read and checked."""
+    """What a checkpoint directory holds, read and checked (the weights only when :meth:`tensors` is called:
+    checking a 3B checkpoint reads its config and the shapes in its header, not its 13 GB)."""
 
     path: Path
     config: dict
     size: PiSize
-    tensors: dict[str, torch.Tensor]  # our module names
     state: Normalizer | None
     action: Normalizer | None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The network's weights, by our module names."""
+        return our_names(load_file(str(self.path / "model.safetensors")))
 
     @property
     def cameras(self) -> list[str]:
@@ -71,13 +78,14 @@ def read_checkpoint(path: str | Path, vision_head_dim: int = 72) -> PiCheckpoint
     if not weights.exists():
         raise UserError(f"{path} has no model.safetensors: a pi0 checkpoint directory holds config.json, "
                         "model.safetensors and the policy_pre/postprocessor files. Download all of them.")
-    tensors = our_names(load_file(str(weights)))
-    size = size_from_tensors(tensors, config, vision_head_dim)
+    with safe_open(str(weights), framework="pt") as f:
+        shapes = our_names({name: torch.Size(f.get_slice(name).get_shape()) for name in f.keys()})
+    size = size_from_shapes(shapes, config, vision_head_dim)
     state, action = _normalizers(path, config["type"])
-    return PiCheckpoint(path, config, size, tensors, state, action)
+    return PiCheckpoint(path, config, size, state, action)
 
 
-def our_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def our_names(tensors: dict[str, T]) -> dict[str, T]:
     """lerobot's (``model.`` prefix) or openpi's names -> ours: the vision tower's ``vision_model.``
     level dropped (transformers 5.6 flattened SigLIP), the token embedding from ``lm_head`` where a
     converted checkpoint tied it away, and the unused ``lm_head`` s left out."""
@@ -96,32 +104,32 @@ def our_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _stack(tensors: dict[str, torch.Tensor], prefix: str) -> StackSize:
-    depth = len({m.group(1) for n in tensors if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", n))})
+def _stack(shapes: dict[str, torch.Size], prefix: str) -> StackSize:
+    depth = len({m.group(1) for n in shapes if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", n))})
     layer = prefix + "layers.0."
-    q, k = tensors[layer + "self_attn.q_proj.weight"], tensors[layer + "self_attn.k_proj.weight"]
-    head_dim = q.shape[0] // QUERY_HEADS
-    return StackSize(width=q.shape[1], depth=depth, mlp_dim=tensors[layer + "mlp.gate_proj.weight"].shape[0],
-                     num_heads=QUERY_HEADS, num_kv_heads=k.shape[0] // head_dim, head_dim=head_dim)
+    q, k = shapes[layer + "self_attn.q_proj.weight"], shapes[layer + "self_attn.k_proj.weight"]
+    head_dim = q[0] // QUERY_HEADS
+    return StackSize(width=q[1], depth=depth, mlp_dim=shapes[layer + "mlp.gate_proj.weight"][0],
+                     num_heads=QUERY_HEADS, num_kv_heads=k[0] // head_dim, head_dim=head_dim)
 
 
-def size_from_tensors(tensors: dict[str, torch.Tensor], config: dict, vision_head_dim: int) -> PiSize:
-    """The network's sizes as the checkpoint's tensors show them."""
+def size_from_shapes(shapes: dict[str, torch.Size], config: dict, vision_head_dim: int) -> PiSize:
+    """The network's sizes as the checkpoint's tensor shapes (our names) show them."""
     try:
-        patch = tensors[VISION + "embeddings.patch_embedding.weight"]
-        if patch.shape[0] % vision_head_dim:
-            raise UserError(f"the checkpoint's SigLIP is {patch.shape[0]} wide, which heads of "
+        patch = shapes[VISION + "embeddings.patch_embedding.weight"]
+        if patch[0] % vision_head_dim:
+            raise UserError(f"the checkpoint's SigLIP is {patch[0]} wide, which heads of "
                             f"policy.pi.vision_head_dim={vision_head_dim} do not divide. Set the head size it was "
                             "built with (so400m, the public checkpoints': 72).")
-        positions = tensors[VISION + "embeddings.position_embedding.weight"].shape[0]
-        vision_depth = len({m.group(1) for n in tensors
+        positions = shapes[VISION + "embeddings.position_embedding.weight"][0]
+        vision_depth = len({m.group(1) for n in shapes
                             if (m := re.match(re.escape(VISION) + r"encoder\.layers\.(\d+)\.", n))})
-        vision = VisionSize(hidden=patch.shape[0], depth=vision_depth, heads=patch.shape[0] // vision_head_dim,
-                            mlp_dim=tensors[VISION + "encoder.layers.0.mlp.fc1.weight"].shape[0],
-                            patch=patch.shape[-1], image_size=round(positions**0.5) * patch.shape[-1])
-        return PiSize(pi05=config["type"] == "pi05", vlm=_stack(tensors, VLM), expert=_stack(tensors, EXPERT),
-                      vision=vision, vocab_size=tensors[VLM + "embed_tokens.weight"].shape[0],
-                      max_action_dim=tensors["action_in_proj.weight"].shape[1],
+        vision = VisionSize(hidden=patch[0], depth=vision_depth, heads=patch[0] // vision_head_dim,
+                            mlp_dim=shapes[VISION + "encoder.layers.0.mlp.fc1.weight"][0],
+                            patch=patch[-1], image_size=round(positions**0.5) * patch[-1])
+        return PiSize(pi05=config["type"] == "pi05", vlm=_stack(shapes, VLM), expert=_stack(shapes, EXPERT),
+                      vision=vision, vocab_size=shapes[VLM + "embed_tokens.weight"][0],
+                      max_action_dim=shapes["action_in_proj.weight"][1],
                       max_state_dim=int(config.get("max_state_dim", 32)), chunk_size=int(config["chunk_size"]))
     except KeyError as missing:
         raise UserError(f"model.safetensors has no tensor {missing}: not a pi0 / pi0.5 network in lerobot's or "

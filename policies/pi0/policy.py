@@ -63,7 +63,7 @@ class PiPolicy(FlowMatchingPolicy):
         self.noise_dim = (self.steps + 1) * self.width + 1
         self.model = PiZero(self.size)
         if ckpt is not None:
-            self.model.load_state_dict(ckpt.tensors, strict=True)
+            self.model.load_state_dict(ckpt.tensors(), strict=True)
         self.state_norm, self.action_norm = _normalizers(ckpt, obs_spec, action_dim)
         self.cameras, self.instruction = list(cfg.vla.cameras), cfg.vla.instruction
         self.tokenizer = _tokenizer(cfg.pi.tokenizer_path, ckpt)
@@ -83,9 +83,7 @@ class PiPolicy(FlowMatchingPolicy):
         if not cfg.vla.model_path:
             return notes
         ckpt = read_checkpoint(cfg.vla.model_path, cfg.pi.vision_head_dim)
-        if action_dim is not None and ckpt.action_dim != action_dim:
-            raise UserError(f"{ckpt.path} acts in {ckpt.action_dim} dimensions (config.json output_features), but "
-                            f"this env takes {action_dim}. Use the checkpoint on the robot it was trained for.")
+        check_env_sizes(ckpt, None, action_dim)
         if cfg.chunk_size > ckpt.size.chunk_size:
             raise UserError(f"policy.chunk_size={cfg.chunk_size}, but {ckpt.path} predicts chunks of "
                             f"{ckpt.size.chunk_size}. Execute at most that many (its n_action_steps: "
@@ -96,9 +94,19 @@ class PiPolicy(FlowMatchingPolicy):
                             "that order.")
         return notes + [f"pi0 checkpoint {ckpt.path}: {ckpt.config['type']}, chunks of {ckpt.size.chunk_size}"]
 
+    @classmethod
+    def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
+        """The cameras named, and a checkpoint's state size against the env's (once the env workers report it)."""
+        missing = [c for c in cfg.vla.cameras if c not in obs_spec]
+        if missing:
+            raise UserError(f"policy.vla.cameras names {missing}, which this env does not observe (it has "
+                            f"{sorted(obs_spec)}). Name its camera images, e.g. env.obs_mode=rgb.")
+        if cfg.vla.model_path:
+            check_env_sizes(read_checkpoint(cfg.vla.model_path, cfg.pi.vision_head_dim), obs_spec, action_dim)
+
     def freeze_trunk(self, train: str) -> None:
         """``policy.flow.train=expert``: the VLM (vision tower, projector, language model) keeps its weights."""
-        if train == "expert" and hasattr(self, "model"):
+        if train == "expert":
             self.model.vlm.requires_grad_(False)
 
     # -- observations -> the model's inputs ------------------------------------------------------
@@ -164,19 +172,23 @@ class PiPolicy(FlowMatchingPolicy):
         return {"loss": loss[:, :targets.shape[1], :self.action_dim].mean()}
 
 
+def check_env_sizes(ckpt: PiCheckpoint, obs_spec: dict | None, action_dim: int | None) -> None:
+    """The checkpoint's action and state sizes against the env's (None: not known yet)."""
+    if action_dim is not None and ckpt.action_dim != action_dim:
+        raise UserError(f"{ckpt.path} acts in {ckpt.action_dim} dimensions (config.json output_features), but "
+                        f"this env takes {action_dim}. Use the checkpoint on the robot it was trained for.")
+    state = None if obs_spec is None else obs_spec.get("state", ((0,), None))[0][0]
+    if state is not None and ckpt.state is not None and state != ckpt.state_dim:
+        raise UserError(f"{ckpt.path} reads a state of {ckpt.state_dim} numbers, but this env's has {state}. Use "
+                        "the env settings the checkpoint was trained with.")
+
+
 def _normalizers(ckpt: PiCheckpoint | None, obs_spec: dict, action_dim: int
                  ) -> tuple[Normalizer | None, Normalizer | None]:
-    """The checkpoint's statistics, checked against the env's sizes (a tiny network has none: actions
-    and states as the env gives them)."""
+    """The checkpoint's statistics (a tiny network has none: actions and states as the env gives them)."""
     if ckpt is None:
         return None, None
-    if ckpt.action_dim != action_dim:
-        raise UserError(f"{ckpt.path} acts in {ckpt.action_dim} dimensions (its config.json output_features), but "
-                        f"this env takes {action_dim}. Use the checkpoint on the robot it was trained for.")
-    state = obs_spec.get("state", ((0,), None))[0][0]
-    if ckpt.state is not None and state != ckpt.state_dim:
-        raise UserError(f"{ckpt.path} reads a {ckpt.state_dim}-number state, but this env's state has {state}. Use "
-                        "the env settings the checkpoint was trained with.")
+    check_env_sizes(ckpt, obs_spec, action_dim)
     return ckpt.state, ckpt.action
 
 
