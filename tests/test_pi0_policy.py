@@ -117,6 +117,21 @@ def test_a_broken_checkpoint_is_refused_before_workers_start(tmp_path, breakage,
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
+def test_mirrored_cameras_are_the_frames_flipped_left_right(monkeypatch):
+    policy, obs, _, _ = _fixture_policy("pi0_tiny", monkeypatch, **{"policy.vla.mirror_images": "true"})
+    flipped = {k: (v.flip(2) if k in ("rgb", "wrist_rgb") else v) for k, v in obs.items()}
+    with torch.no_grad():
+        mirrored = policy.heads(obs)[0].prefix.hidden
+        policy.mirror = False
+        torch.testing.assert_close(policy.heads(flipped)[0].prefix.hidden, mirrored, rtol=0, atol=0)
+        assert not torch.equal(policy.heads(obs)[0].prefix.hidden, mirrored)
+
+
+def test_bfloat16_is_refused_until_it_is_built():
+    with pytest.raises(UserError, match="policy.vla.dtype=float32"):
+        check_policy_config(compose(["policy=pi0_tiny", "policy.vla.dtype=bfloat16"]).policy, 8)
+
+
 def test_a_checkpoint_of_another_robot_is_refused(tmp_path):
     with pytest.raises(UserError, match="vision_head_dim=72 do not divide"):
         check_policy_config(compose(["policy=pi0_tiny", f"policy.vla.model_path={ASSETS / 'pi0_tiny'}",

@@ -5,8 +5,9 @@ re-scores it, evaluation runs the checkpoint's Euler ODE.
 - weights: a lerobot-layout checkpoint (``policy.vla.model_path``; policies/pi0/checkpoint.py), or a
   tiny network from scratch (``policy.pi.variant``) for CPU runs and tests;
 - observations: the cameras ``policy.vla.cameras`` (uint8 ``[B, H, W, 3]``, in the checkpoint's camera
-  order), ``state [B, S]`` and the instruction (``instruction`` or ``policy.vla.instruction``), made into
-  the model's inputs as lerobot does (policies/pi0/inputs.py);
+  order; mirrored left-right with ``policy.vla.mirror_images``), ``state [B, S]`` and the instruction
+  (``instruction`` or ``policy.vla.instruction``), made into the model's inputs as lerobot does
+  (policies/pi0/inputs.py);
 - the chain: ``x`` is the model's whole chunk, ``D = H * 32`` numbers (``H`` the checkpoint's
   chunk, 32 its padded action size), so sampling from the same noise is the reference's; the env
   executes the first ``policy.chunk_size`` actions of it, cropped to the env's action size and
@@ -66,6 +67,7 @@ class PiPolicy(FlowMatchingPolicy):
             self.model.load_state_dict(ckpt.tensors(), strict=True)
         self.state_norm, self.action_norm = _normalizers(ckpt, obs_spec, action_dim)
         self.cameras, self.instruction = list(cfg.vla.cameras), cfg.vla.instruction
+        self.mirror = cfg.vla.mirror_images  # LIBERO checkpoints: frames rotated 180 degrees from upright
         self.tokenizer = _tokenizer(cfg.pi.tokenizer_path, ckpt)
         self.max_tokens = cfg.pi.max_tokens or (ckpt.config.get("tokenizer_max_length", 48) if ckpt else 48)
         width = self.size.vlm.width
@@ -80,6 +82,10 @@ class PiPolicy(FlowMatchingPolicy):
         notes = super().check_config(cfg, action_dim)
         if cfg.pi.variant not in VARIANTS:
             raise UserError(f"policy.pi.variant={cfg.pi.variant}: pick one of {list(VARIANTS)}.")
+        if cfg.vla.dtype != "float32":
+            raise UserError(f"policy.vla.dtype={cfg.vla.dtype}: policy=pi0 runs in float32 so far (bfloat16, with "
+                            "lerobot's float32 vision tower and norms, is not built yet). Set "
+                            "policy.vla.dtype=float32.")
         if not cfg.vla.model_path:
             return notes
         ckpt = read_checkpoint(cfg.vla.model_path, cfg.pi.vision_head_dim)
@@ -130,8 +136,8 @@ class PiPolicy(FlowMatchingPolicy):
 
     def heads(self, obs: dict[str, torch.Tensor]) -> tuple[Features, torch.Tensor]:
         first = obs[self.cameras[0]]
-        images = [vision_input(obs[c].permute(0, 3, 1, 2).float() / 255, self.size.vision.image_size)
-                  for c in self.cameras]
+        frames = [obs[c].flip(2) if self.mirror else obs[c] for c in self.cameras]  # [B, H, W, 3]: W is dim 2
+        images = [vision_input(f.permute(0, 3, 1, 2).float() / 255, self.size.vision.image_size) for f in frames]
         masks = [torch.ones(first.shape[0], dtype=torch.bool, device=first.device) for _ in self.cameras]
         state = obs["state"].float() if "state" in obs else torch.zeros(first.shape[0], 0, device=first.device)
         if self.state_norm is not None:
