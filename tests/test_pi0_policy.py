@@ -117,6 +117,28 @@ def test_a_broken_checkpoint_is_refused_before_workers_start(tmp_path, breakage,
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
+def test_an_empty_camera_slot_is_fed_blank_and_masked_out(tmp_path, monkeypatch):
+    """A checkpoint with ``empty_cameras`` (lerobot's LIBERO pi0.5) lists a blank camera the env does not
+    give: fed as -1 and masked, it changes no action (lerobot's actions without the slot)."""
+    ckpt = _copy(tmp_path, "pi05_tiny_1cam")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["input_features"]["observation.images.empty_camera_0"] = {"type": "VISUAL", "shape": [3, 224, 224]}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    ref = dict(np.load(ASSETS / "pi05_tiny_1cam_outputs.npz"))
+    monkeypatch.setattr(pi0_policy, "_tokenizer", lambda path, c: FixtureTokenizer(ref))
+    cfg = compose(["policy=pi0_tiny", f"policy.vla.model_path={ckpt}", "policy.pi.vision_head_dim=8",
+                   "policy.flow.eval_steps=10"])
+    obs = {"rgb": torch.from_numpy(ref["frames_u8"][0]), "state": torch.from_numpy(ref["state"]),
+           "instruction": torch.from_numpy(encode_instructions([str(t) for t in ref["tasks"]]))}
+    policy = make_policy(cfg.policy, {k: (tuple(v.shape[1:]), v.dtype) for k, v in obs.items()}, 7).eval()
+    assert policy.empty_cameras == 1
+    noise = torch.zeros(1, policy.noise_dim)
+    noise[:, :policy.width] = torch.from_numpy(ref["noise"]).flatten(1)
+    with torch.no_grad():
+        actions = policy.to_env(policy.act(obs, deterministic=True, noise=noise)[0])
+    torch.testing.assert_close(actions, torch.from_numpy(ref["actions"][:, :4]), rtol=1e-5, atol=1e-5)
+
+
 def test_mirrored_cameras_are_the_frames_flipped_left_right(monkeypatch):
     policy, obs, _, _ = _fixture_policy("pi0_tiny", monkeypatch, **{"policy.vla.mirror_images": "true"})
     flipped = {k: (v.flip(2) if k in ("rgb", "wrist_rgb") else v) for k, v in obs.items()}

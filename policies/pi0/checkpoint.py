@@ -32,6 +32,7 @@ from policies.pi0.transformer import StackSize
 VLM = "paligemma_with_expert.paligemma.model.language_model."
 EXPERT = "paligemma_with_expert.gemma_expert.model."
 VISION = "paligemma_with_expert.paligemma.model.vision_tower."
+EMPTY_CAMERA = "observation.images.empty_camera_"
 QUERY_HEADS = 8  # both Gemma stacks of every published pi0 / pi0.5 (lerobot hard-codes it)
 NORM_MODES = {"MEAN_STD": "mean_std", "QUANTILES": "quantiles"}
 T = TypeVar("T")
@@ -54,6 +55,16 @@ class PiCheckpoint:
 
     @property
     def cameras(self) -> list[str]:
+        """The images the checkpoint reads from an env, in its order (its empty slots left out)."""
+        return [k for k in self._visual() if not k.startswith(EMPTY_CAMERA)]
+
+    @property
+    def empty_cameras(self) -> int:
+        """Camera slots trained on blank images (``empty_cameras`` in lerobot's config): a -1 image each,
+        masked out, after the real ones."""
+        return sum(k.startswith(EMPTY_CAMERA) for k in self._visual())
+
+    def _visual(self) -> list[str]:
         return [k for k, f in self.config["input_features"].items() if f["type"] == "VISUAL"]
 
     @property

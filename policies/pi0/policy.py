@@ -68,6 +68,7 @@ class PiPolicy(FlowMatchingPolicy):
         self.state_norm, self.action_norm = _normalizers(ckpt, obs_spec, action_dim)
         self.cameras, self.instruction = list(cfg.vla.cameras), cfg.vla.instruction
         self.mirror = cfg.vla.mirror_images  # LIBERO checkpoints: frames rotated 180 degrees from upright
+        self.empty_cameras = ckpt.empty_cameras if ckpt else 0
         self.tokenizer = _tokenizer(cfg.pi.tokenizer_path, ckpt)
         self.max_tokens = cfg.pi.max_tokens or (ckpt.config.get("tokenizer_max_length", 48) if ckpt else 48)
         width = self.size.vlm.width
@@ -139,6 +140,9 @@ class PiPolicy(FlowMatchingPolicy):
         frames = [obs[c].flip(2) if self.mirror else obs[c] for c in self.cameras]  # [B, H, W, 3]: W is dim 2
         images = [vision_input(f.permute(0, 3, 1, 2).float() / 255, self.size.vision.image_size) for f in frames]
         masks = [torch.ones(first.shape[0], dtype=torch.bool, device=first.device) for _ in self.cameras]
+        for _ in range(self.empty_cameras):  # blank slots: -1 everywhere, masked out (as lerobot feeds them)
+            images.append(torch.full_like(images[0], -1.0))
+            masks.append(torch.zeros_like(masks[0]))
         state = obs["state"].float() if "state" in obs else torch.zeros(first.shape[0], 0, device=first.device)
         if self.state_norm is not None:
             state = self.state_norm.normalize(state)
