@@ -149,9 +149,11 @@ def test_mirrored_cameras_are_the_frames_flipped_left_right(monkeypatch):
         assert not torch.equal(policy.heads(obs)[0].prefix.hidden, mirrored)
 
 
-def test_bfloat16_is_refused_until_it_is_built():
+def test_bfloat16_and_other_families_settings_are_refused():
     with pytest.raises(UserError, match="policy.vla.dtype=float32"):
         check_policy_config(compose(["policy=pi0_tiny", "policy.vla.dtype=bfloat16"]).policy, 8)
+    with pytest.raises(UserError, match="does not read policy.vla.gripper=libero"):
+        check_policy_config(compose(["policy=pi0_tiny", "policy.vla.gripper=libero"]).policy, 8)
 
 
 def test_a_checkpoint_of_another_robot_is_refused(tmp_path):

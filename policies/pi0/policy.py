@@ -18,6 +18,8 @@ re-scores it, evaluation runs the checkpoint's Euler ODE.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -83,6 +85,10 @@ class PiPolicy(FlowMatchingPolicy):
         notes = super().check_config(cfg, action_dim)
         if cfg.pi.variant not in VARIANTS:
             raise UserError(f"policy.pi.variant={cfg.pi.variant}: pick one of {list(VARIANTS)}.")
+        unread = _unread_vla_keys(cfg.vla)
+        if unread:
+            raise UserError(f"policy=pi0 does not read {', '.join(unread)} (OpenVLA / OFT settings): the checkpoint's "
+                            "own statistics and lerobot's pre-processing apply. Leave them at their defaults.")
         if cfg.vla.dtype != "float32":
             raise UserError(f"policy.vla.dtype={cfg.vla.dtype}: policy=pi0 runs in float32 so far (bfloat16, with "
                             "lerobot's float32 vision tower and norms, is not built yet). Set "
@@ -180,6 +186,16 @@ class PiPolicy(FlowMatchingPolicy):
         t = 0.001 + 0.999 * torch.rand(len(a), device=a.device)
         loss = self.model.flow_loss(features.prefix, features.state, a, torch.randn_like(a), t)
         return {"loss": loss[:, :targets.shape[1], :self.action_dim].mean()}
+
+
+# policy.vla keys that pi0 reads; the rest are other VLA families' and must keep their defaults
+READ_VLA_KEYS = ("model_path", "dtype", "instruction", "cameras", "mirror_images", "camera_size", "camera_rendering")
+
+
+def _unread_vla_keys(vla) -> list[str]:
+    default = type(vla)()
+    return [f"policy.vla.{f.name}={getattr(vla, f.name)}" for f in dataclasses.fields(vla)
+            if f.name not in READ_VLA_KEYS and getattr(vla, f.name) != getattr(default, f.name)]
 
 
 def check_env_sizes(ckpt: PiCheckpoint, obs_spec: dict | None, action_dim: int | None) -> None:
