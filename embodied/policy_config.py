@@ -109,6 +109,9 @@ class PiConfig:
     vision_head_dim: int = ranged(72, 1)  # SigLIP's head size (so400m: 72), which a checkpoint's tensors do not show
     # prompt tokens, right-padded; null: the checkpoint's tokenizer_max_length (pi0 48, pi0.5 200), 48 without one
     max_tokens: int | None = ranged(None, 1)
+    # pi0.5: the state's 256 bins in the prompt (lerobot's pi05; openpi's own with discrete_state_input); false:
+    # openpi's pi05_libero, whose prompt is the cleaned task and a newline and which reads no state
+    state_prompt: bool = True
 
 
 @dataclass

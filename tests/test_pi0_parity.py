@@ -53,6 +53,7 @@ def test_images_prompts_and_states_are_prepared_as_lerobot_does(case):
         extra = [pi05_prompt(str(t), torch.from_numpy(s)) for t, s in zip(ref["prompt_tasks"], ref["prompt_states"],
                                                                           strict=True)]
         assert extra == list(ref["prompt_strings"])
+        assert pi05_prompt(" open_the\ndrawer ", None) == "open the drawer\n"  # openpi's pi05_libero: no state
     else:
         prompts = [pi0_prompt(str(task)) for task in ref["tasks"]]
     assert prompts == list(ref["prompts"])

@@ -45,14 +45,20 @@ def pi0_prompt(task: str) -> str:
     return task if task.endswith("\n") else task + "\n"
 
 
-def pi05_prompt(task: str, state: torch.Tensor) -> str:
-    """pi0.5's prompt for one normalised state ``[S]``: ``Task: <task>, State: <bins>;\\nAction: ``, the
-    task stripped with ``_`` and newlines as spaces, each number its bin of ``[-1, 1]`` cut in 256
-    (below -1: -1; at or above the last edge: 255)."""
+def clean_task(task: str) -> str:
+    """pi0.5's task text: stripped, ``_`` and newlines as spaces."""
+    return task.strip().replace("_", " ").replace("\n", " ")
+
+
+def pi05_prompt(task: str, state: torch.Tensor | None) -> str:
+    """pi0.5's prompt for one normalised state ``[S]``: ``Task: <task>, State: <bins>;\\nAction: ``, each
+    number its bin of ``[-1, 1]`` cut in 256 (below -1: -1; at or above the last edge: 255). Without a
+    state (openpi's pi05_libero): the cleaned task and a newline."""
+    if state is None:
+        return clean_task(task) + "\n"
     edges = torch.linspace(-1.0, 1.0, STATE_BINS + 1, dtype=torch.float64)[:-1]
     bins = torch.bucketize(state.double().cpu(), edges, right=True) - 1
-    clean = task.strip().replace("_", " ").replace("\n", " ")
-    return f"Task: {clean}, State: {' '.join(str(int(b)) for b in bins)};\nAction: "
+    return f"Task: {clean_task(task)}, State: {' '.join(str(int(b)) for b in bins)};\nAction: "
 
 
 @dataclass

@@ -71,6 +71,7 @@ class PiPolicy(FlowMatchingPolicy):
         self.cameras, self.instruction = list(cfg.vla.cameras), cfg.vla.instruction
         self.mirror = cfg.vla.mirror_images  # LIBERO checkpoints: frames rotated 180 degrees from upright
         self.empty_cameras = ckpt.empty_cameras if ckpt else 0
+        self.state_prompt = cfg.pi.state_prompt
         self.tokenizer = _tokenizer(cfg.pi.tokenizer_path, ckpt)
         self.max_tokens = cfg.pi.max_tokens or (ckpt.config.get("tokenizer_max_length", 48) if ckpt else 48)
         width = self.size.vlm.width
@@ -128,7 +129,8 @@ class PiPolicy(FlowMatchingPolicy):
 
         tasks = instructions_of({"rgb": obs[self.cameras[0]], **obs}, self.instruction)
         if self.size.pi05:
-            return [pi05_prompt(task, s) for task, s in zip(tasks, state, strict=True)]
+            states = state if self.state_prompt else [None] * len(tasks)
+            return [pi05_prompt(task, s) for task, s in zip(tasks, states, strict=True)]
         return [pi0_prompt(task) for task in tasks]
 
     def _tokens(self, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
