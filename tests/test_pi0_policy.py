@@ -175,3 +175,25 @@ def test_a_checkpoint_of_another_robot_is_refused(tmp_path):
     with pytest.raises(UserError, match="ship no tokenizer"):
         make_policy(cfg.policy, {"rgb": ((64, 64, 3), torch.uint8), "wrist_rgb": ((64, 64, 3), torch.uint8),
                                  "state": ((8,), torch.float32)}, 7)
+
+
+@pytest.mark.integration
+def test_a_lerobot_pi05_checkpoint_is_evaluated_on_libero_from_the_cli(ray_cluster, tmp_path):
+    """``embodied eval env=libero_spatial policy=pi05_tiny`` with the shipped lerobot-layout fixture (7-D
+    actions, 8-D state, agentview + wrist mirrored as LIBERO checkpoints see them) and a local tokenizer:
+    the per-task table, eval.json and a video per task."""
+    from embodied.cli import main as cli_main
+    from policies.vla.processor import byte_tokenizer
+
+    byte_tokenizer(0).save_pretrained(tmp_path / "tokenizer")  # ids < the fixture's 1024
+    out = tmp_path / "eval"
+    assert cli_main(["eval", "env=libero_spatial", "policy=pi05_tiny", f"policy.vla.model_path={ASSETS / 'pi05_tiny'}",
+                     "policy.pi.vision_head_dim=16", f"policy.pi.tokenizer_path={tmp_path / 'tokenizer'}",
+                     "policy.vla.cameras=[rgb,wrist_rgb]", "policy.vla.mirror_images=true", "eval.trials_per_task=1",
+                     "eval.tasks=[0]", "env.max_episode_steps=8", "env.image_size=32", "runner.progress=false",
+                     f"runner.run_dir={out}"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert result["policy"] == "pi0" and [t["episodes"] for t in result["tasks"]] == [1]
+    assert result["provenance"]["weights"]["model_path"] == str(ASSETS / "pi05_tiny")
+    assert "libero_spatial" in (out / "eval.md").read_text()
+    assert len(list((out / "videos").glob("task_*.mp4"))) == 1
