@@ -177,7 +177,7 @@ def test_a_checkpoint_of_another_robot_is_refused(tmp_path):
                                  "state": ((8,), torch.float32)}, 7)
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # 35-70 s of LIBERO start-up; the CLI's LIBERO table and videos: test_eval_protocol.py, default
 def test_a_lerobot_pi05_checkpoint_is_evaluated_on_libero_from_the_cli(ray_cluster, tmp_path):
     """``embodied eval env=libero_spatial policy=pi05_tiny`` with the shipped lerobot-layout fixture (7-D
     actions, 8-D state, agentview + wrist mirrored as LIBERO checkpoints see them) and a local tokenizer:
