@@ -165,6 +165,7 @@ def _chunk_error(policy, demos) -> float:
     return float((acted - targets).abs().mean())
 
 
+@pytest.mark.slow  # 20-40 s, for the suite's time; pi0's act / evaluate / demo_loss: tests/test_pi0_policy.py
 def test_sft_then_rl_of_a_tiny_pi0_run_end_to_end(cfg, demos, ray_cluster, tmp_path):
     """``embodied sft policy=pi0_tiny`` (the flow-matching loss through the VLM and the expert), then
     ``embodied train checkpoint=<sft run>``: Flow-SDE chains sampled by the rollout workers, re-scored
