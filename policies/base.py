@@ -7,6 +7,7 @@ are dicts of batched tensors (``obs_spec``: name -> (shape without the batch, dt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -157,6 +158,14 @@ def rowwise_exact(fn, x: torch.Tensor) -> torch.Tensor:
     if pad == 0 or x.device.type != "cpu":
         return fn(x)
     return fn(torch.cat([flat, flat.new_ones(pad)]))[:flat.numel()].view(x.shape)
+
+
+def changed_settings(section, name: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """``policy.<name>.<key>=<value>`` for each key of the config ``section`` (a dataclass) set to other than
+    its default, leaving out the keys in ``skip``: settings a policy does not read are refused with these."""
+    default = type(section)()
+    return [f"policy.{name}.{key.name}={getattr(section, key.name)}" for key in dataclasses.fields(section)
+            if key.name not in skip and getattr(section, key.name) != getattr(default, key.name)]
 
 
 def set_batch_invariant(module: nn.Module, enabled: bool = True) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass
 
 from envs.common import UserError
-from policies.base import POLICIES
+from policies.base import POLICIES, changed_settings
 from policies.vla.checkpoint import check_normalization
 
 
@@ -53,11 +53,8 @@ def _settings_outside(policy_cfg, sections: tuple[str, ...]) -> list[str]:
     found = []
     for part in fields(policy_cfg):
         value = getattr(policy_cfg, part.name)
-        if part.name in sections or not is_dataclass(value):
-            continue
-        default = type(value)()
-        found += [f"policy.{part.name}.{key.name}={getattr(value, key.name)}" for key in fields(value)
-                  if getattr(value, key.name) != getattr(default, key.name)]
+        if part.name not in sections and is_dataclass(value):
+            found += changed_settings(value, part.name)
     return found
 
 

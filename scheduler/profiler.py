@@ -179,7 +179,8 @@ def measure_policy(cfg, obs: dict, action_dim: int, sizes: list[int], train_size
         before = _memory_mib(device)
         # one warm-up, at the first size: an update is the profile's slowest stage
         train_t.append(_median_seconds(lambda b=batch: algorithm.profiled_update(policy, optimizer, b), 1, i == 0))
-        train_m.append(3 * weights_mib + held + max(_memory_mib(device) - before, 0.0))  # + grads, Adam moments
+        # weights, gradients and Adam's moments, the buffer, the update's own growth
+        train_m.append(3 * weights_mib + held + max(_memory_mib(device) - before, 0.0))
     switch = DeviceState(policy, optimizer)
     offload_s = _median_seconds(lambda: (switch.offload(), switch.onload()), repeats)
     state_mib = sum(v.nbytes for v in policy.state_dict().values()) / 2**20

@@ -129,7 +129,7 @@ class Algorithm:
 
     def resident_mib(self, obs_spec: dict, action_dim: int) -> float:
         """MiB the algorithm keeps on the actor's device beside the policy and its optimizer, at its
-        largest (a full replay buffer); auto placement adds it to the actor's memory. None by default."""
+        largest (a full replay buffer); auto placement adds it to the actor's memory. Nothing by default."""
         return 0.0
 
     def check(self, run_cfg, rollout_only: bool = False) -> None:

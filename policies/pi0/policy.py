@@ -18,13 +18,11 @@ re-scores it, evaluation runs the checkpoint's Euler ODE.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
 from envs.common import UserError
-from policies.base import POLICIES, layer_init, rowwise_exact
+from policies.base import POLICIES, changed_settings, layer_init, rowwise_exact
 from policies.flow_policy import FlowMatchingPolicy, time_features
 from policies.pi0.checkpoint import PiCheckpoint, read_checkpoint
 from policies.pi0.inputs import Normalizer, pad_to, pi0_prompt, pi05_prompt, vision_input
@@ -86,7 +84,7 @@ class PiPolicy(FlowMatchingPolicy):
         notes = super().check_config(cfg, action_dim)
         if cfg.pi.variant not in VARIANTS:
             raise UserError(f"policy.pi.variant={cfg.pi.variant}: pick one of {list(VARIANTS)}.")
-        unread = _unread_vla_keys(cfg.vla)
+        unread = changed_settings(cfg.vla, "vla", skip=READ_VLA_KEYS)
         if unread:
             raise UserError(f"policy=pi0 does not read {', '.join(unread)} (OpenVLA / OFT settings): the checkpoint's "
                             "own statistics and lerobot's pre-processing apply. Leave them at their defaults.")
@@ -180,8 +178,9 @@ class PiPolicy(FlowMatchingPolicy):
         return decoded if self.chunk_size > 1 else decoded[:, 0]
 
     def demo_loss(self, obs: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The flow-matching loss (pi0's: ``t ~ U(0.001, 1)``) on demo chunks ``targets [B, chunk_size, A]``,
-        normalised as the checkpoint's actions, padded to the model's chunk and action size."""
+        """The flow-matching loss on demo chunks ``targets [B, chunk_size, A]``, normalised as the checkpoint's
+        actions, padded to the model's chunk and action size, at ``t ~ U(0.001, 1)`` (lerobot's pi0 training
+        draws ``t`` from ``Beta(1.5, 1) * 0.999 + 0.001`` instead)."""
         a = targets if self.action_norm is None else self.action_norm.normalize(targets)
         a = nn.functional.pad(pad_to(a, self.size.max_action_dim), (0, 0, 0, self.size.chunk_size - a.shape[1]))
         features, _ = self.heads(obs)
@@ -193,11 +192,6 @@ class PiPolicy(FlowMatchingPolicy):
 # policy.vla keys that pi0 reads; the rest are other VLA families' and must keep their defaults
 READ_VLA_KEYS = ("model_path", "dtype", "instruction", "cameras", "mirror_images", "camera_size", "camera_rendering")
 
-
-def _unread_vla_keys(vla) -> list[str]:
-    default = type(vla)()
-    return [f"policy.vla.{f.name}={getattr(vla, f.name)}" for f in dataclasses.fields(vla)
-            if f.name not in READ_VLA_KEYS and getattr(vla, f.name) != getattr(default, f.name)]
 
 
 def check_env_sizes(ckpt: PiCheckpoint, obs_spec: dict | None, action_dim: int | None) -> None:
