@@ -43,6 +43,10 @@ class EnvConfig:
     # "reference" (robosuite's defaults, as the public checkpoints' authors render: their pixels);
     # speeds in docs/libero_protocol.md. ManiSkill renders one way: "fast"
     rendering: str = "fast"
+    # LIBERO: how episodes start and end, as a reference evaluation does (docs/libero_protocol.md, "Protocols"):
+    # "default" (soft resets, seeds task*1000+init, OpenVLA's / openpi's step limits), "lerobot" (lerobot-eval:
+    # hard resets, seeds 1000+k, libero_spatial 280 steps) or "openpi" (examples/libero/main.py: hard resets)
+    protocol: str = "default"
     timeout_s: float = ranged(120.0, 0, above=True)  # an env process silent this long is reported as hung
     # ... except while it builds its envs (at start, and a replacement's), which may take max(this, timeout_s)
     startup_timeout_s: float = ranged(300.0, 0, above=True)

@@ -99,19 +99,27 @@ class FlowConfig:
 
 @dataclass
 class PiConfig:
-    """``policy.pi``: pi0 and pi0.5 (policies/pi0/), read with ``policy.vla`` (``model_path``: a lerobot-layout
-    checkpoint directory; ``cameras``: the env's images in the checkpoint's camera order; ``instruction``) and
-    ``policy.flow`` (the chain RL samples; ``eval_steps``: the checkpoint's 10 Euler steps)."""
+    """``policy.pi``: pi0 and pi0.5 (policies/pi0/), read with ``policy.vla`` (``model_path``: a checkpoint
+    directory in lerobot's or openpi's layout; ``cameras``: the env's images in the checkpoint's camera order;
+    ``instruction``) and ``policy.flow`` (the chain RL samples; ``eval_steps``: the checkpoint's 10 Euler steps)."""
 
     variant: str = "pi0"  # a tiny network from scratch (vla.model_path null): pi0 | pi05 (a checkpoint says its own)
     # a local PaliGemma tokenizer directory (AutoTokenizer; checkpoints ship none); null: a byte-level one (tiny only)
     tokenizer_path: str | None = None
+    # an openpi checkpoint's norm_stats.json; null: the one under policy.vla.model_path (lerobot's: its processor files)
+    norm_stats: str | None = None
     vision_head_dim: int = ranged(72, 1)  # SigLIP's head size (so400m: 72), which a checkpoint's tensors do not show
     # prompt tokens, right-padded; null: the checkpoint's tokenizer_max_length (pi0 48, pi0.5 200), 48 without one
     max_tokens: int | None = ranged(None, 1)
     # pi0.5: the state's 256 bins in the prompt (lerobot's pi05; openpi's own with discrete_state_input); false:
     # openpi's pi05_libero, whose prompt is the cleaned task and a newline and which reads no state
     state_prompt: bool = True
+    # how camera frames reach the vision size: "lerobot" (bilinear on floats, no antialiasing: lerobot's
+    # resize_with_pad_torch) or "openpi" (PIL's bilinear on uint8, antialiased: openpi's LIBERO client)
+    resize: str = "lerobot"
+    # the first this many action dims are offsets from the state the chunk was planned on (openpi's pi0_libero,
+    # extra_delta_transform: 6, the end-effector pose; the gripper stays absolute); 0: absolute actions
+    delta_actions: int = ranged(0, 0)
 
 
 @dataclass

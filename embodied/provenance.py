@@ -76,7 +76,7 @@ def provenance(cfg, checkpoint: Path | None) -> dict:
                 "center_crop": vla.center_crop, "gripper": vla.gripper, "normalization": vla.normalization,
                 "unnorm_key": vla.unnorm_key, "chunk_size": policy.chunk_size, "proprio": vla.proprio,
                 "env": cfg.env.task, "env_image_size": cfg.env.image_size, "rendering": cfg.env.rendering,
-                "obs_mode": cfg.env.obs_mode,
+                "protocol": cfg.env.protocol, "obs_mode": cfg.env.obs_mode,
                 "episodes": cfg.eval.episodes, "trials_per_task": cfg.eval.trials_per_task, "tasks": cfg.eval.tasks,
                 "deterministic": cfg.eval.deterministic}
     return {"weights": weights, "settings": settings, "code": code_version(), "versions": versions()}

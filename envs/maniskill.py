@@ -276,6 +276,9 @@ def validate_maniskill(cfg) -> None:
         raise UserError(f"env.rendering={cfg.rendering} is LIBERO's: 'reference' renders LIBERO scenes with "
                         "robosuite's defaults, as the public checkpoints' authors do. ManiSkill renders one way; "
                         "leave env.rendering=fast.")
+    if cfg.protocol != "default":  # LIBERO's too: the reference evaluations' resets and seeds
+        raise UserError(f"env.protocol={cfg.protocol} is LIBERO's (lerobot's and openpi's evaluation resets and "
+                        "seeds). ManiSkill episodes start one way; leave env.protocol=default.")
 
 
 # the Panda arm's action sizes per controller (7 joints + gripper; end effector + gripper)

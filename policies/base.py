@@ -31,8 +31,8 @@ class Policy(nn.Module):
     - ``evaluate(obs, actions [B, A])`` -> ``(log_prob [B], entropy [B], value [B])`` with
       gradients (what PPO trains on).
     - ``value(obs)`` -> ``[B]``.
-    - ``to_env(actions [B, A])`` -> what the env is sent (a clipped box, un-normalised bins, a
-      family's gripper steps).
+    - ``to_env(actions [B, A], obs)`` -> what the env is sent (a clipped box, un-normalised bins, a
+      family's gripper steps; ``obs``, what the actions were chosen on, for actions relative to the state).
     - ``weights_updated()``: called by the rollout worker after each weight sync.
     - ``demo_loss(obs, targets [B, chunk_size, action_dim])`` -> ``{statistic: scalar}`` of
       ``demo_statistics``, ``"loss"`` with gradients: what ``embodied sft`` minimises on demos
@@ -80,7 +80,7 @@ class Policy(nn.Module):
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
+    def to_env(self, actions: torch.Tensor, obs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         return actions
 
     def weights_updated(self) -> None:
@@ -247,7 +247,7 @@ class GaussianActorCritic(Policy):
             actions = mean + std * (torch.randn_like(mean) if noise is None else noise.to(mean.device))
         return actions, Normal(mean, std).log_prob(actions).sum(-1), value
 
-    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
+    def to_env(self, actions: torch.Tensor, obs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The env's action for a sample: clipped to the [-1, 1] box (the unclipped one is scored)."""
         return actions.clamp(-1.0, 1.0)
 

@@ -219,7 +219,7 @@ class FlowMatchingPolicy(Policy):
         logprob, entropy = self.method.score(self, features, chain, step)
         return logprob, entropy, value
 
-    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
+    def to_env(self, actions: torch.Tensor, obs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The chain's last point, clipped to [-1, 1] and un-normalised: ``[B, A]``, or ``[B, chunk_size, A]``."""
         x = actions[:, -1 - self.width:-1].clamp(-1.0, 1.0).unflatten(-1, (self.chunk_size, self.action_dim))
         stats = ActionStats.from_tensor(self.action_stats.to(x.device))

@@ -111,7 +111,7 @@ class TokenActionPolicy(Policy):
         token_logp, entropy, value = self.token_logprobs(obs, actions)
         return token_logp, entropy.sum(-1), value
 
-    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
+    def to_env(self, actions: torch.Tensor, obs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Sampled bins ``[B, T]`` -> continuous env actions (bin centres, un-normalised, then the
         checkpoint family's gripper post-processing): ``[B, A]``, or ``[B, chunk_size, A]`` for chunks."""
         decoded = self.actions.decode(self.actions.action_ids.to(actions.device)[actions.long()].unflatten(

@@ -78,25 +78,27 @@ def test_same_init_state_gives_identical_observations(spatial):
     assert not np.array_equal(a["rgb"], c["rgb"])
 
 
-def test_reference_rendering_gives_the_authors_pixels():
-    """rendering=reference: our env's ``rgb`` and ``wrist_rgb`` equal, byte for byte, what a plain LIBERO
-    ``ControlEnv`` with robosuite's defaults (OpenVLA's and RLinf's eval env: only the camera size set) renders
-    for the same episode, replayed the authors' way (seed, reset, init state, 10 no-ops, the same actions).
+def test_reference_rendering_and_lerobots_protocol_give_the_authors_pixels():
+    """rendering=reference, protocol=lerobot: our env's ``rgb`` and ``wrist_rgb`` equal, byte for byte, what a
+    plain LIBERO ``ControlEnv`` with robosuite's defaults (OpenVLA's, RLinf's and lerobot's eval env: only the
+    camera size set; hard resets) renders for the same episode, replayed as lerobot-eval does (seed 1000 + k,
+    reset, init state k, 10 no-ops, the same actions).
     Replayed, not copied: a frame taken at the end of a step shows the kinematics of the last substep's
     forward pass (MuJoCo integrates after it), which set_state + forward would recompute at the new qpos.
     The fast settings, applied to the plain env at that state, change the pixels: the equality can fail."""
     from libero.libero.envs.env_wrapper import ControlEnv
 
-    size, seed = 64, episode_seed(0, 0)  # the episode the env starts in: no second reset
-    ours = LiberoEnv(LiberoSpec("libero_spatial", image_size=size, max_episode_steps=10, rendering="reference"))
+    size, init = 64, 0  # the episode the env starts in: no second (hard, 3-6 s) reset
+    ours = LiberoEnv(LiberoSpec("libero_spatial", image_size=size, max_episode_steps=10, rendering="reference",
+                                protocol="lerobot"))
     plain = None
     try:
         actions = np.random.default_rng(0).uniform(-1, 1, (2, 7))
         obs = [ours.step(action)[0] for action in actions][-1]
         plain = ControlEnv(bddl_file_name=ours.tasks[0].bddl_file, camera_heights=size, camera_widths=size)
-        plain.seed(seed)
+        plain.seed(1000 + init)
         plain.reset()
-        plain.set_init_state(ours.tasks[0].init_states[0])
+        plain.set_init_state(ours.tasks[0].init_states[init])
         for action in [NOOP_ACTION] * 10 + list(actions):
             raw = plain.step(action)[0]
         np.testing.assert_array_equal(plain.sim.data.qpos, ours.env.sim.data.qpos)
@@ -111,6 +113,22 @@ def test_reference_rendering_gives_the_authors_pixels():
         ours.close()
         if plain is not None:
             plain.close()
+
+
+def test_the_reference_protocols_limits_and_seeds():
+    """lerobot's table (libero_spatial 280 steps), its seeds 1000 + k whatever the task, hard resets; the
+    default protocol's seed is the episode's own."""
+    from embodied.config import compose
+
+    spatial = compose(["env=libero_spatial", "env.protocol=lerobot"]).env
+    assert envs.libero.max_steps(spatial) == 280 and envs.libero.max_steps(compose(["env=libero_spatial"]).env) == 220
+    assert envs.libero.max_steps(compose(["env=libero_spatial", "env.protocol=openpi"]).env) == MAX_STEPS[
+        "libero_spatial"]
+    lerobot, default = (LiberoSpec("libero_spatial", 64, 10, protocol=p) for p in ("lerobot", "default"))
+    assert lerobot.env_seed(episode_seed(3, 7)) == 1007 and default.env_seed(episode_seed(3, 7)) == 3007
+    assert lerobot.hard_reset and not default.hard_reset
+    with pytest.raises(envs.libero.UserError, match="not a LIBERO protocol"):
+        envs.libero.validate_libero(compose(["env=libero_spatial", "env.protocol=lerobt"]).env)
 
 
 def test_observation_names_the_task_and_its_instruction(spatial):

@@ -5,13 +5,16 @@ the action chunk, the un-normalised actions and the flow-matching loss equal the
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from policies.pi0.checkpoint import read_checkpoint
+from policies.pi0.checkpoint import our_names, read_checkpoint
 from policies.pi0.inputs import pad_to, pi0_prompt, pi05_prompt, vision_input
-from policies.pi0.model import PiZero
+from policies.pi0.model import PiZero, Prefix
+from policies.pi0.transformer import additive, attention_mask_2d
 from tests.reference import ASSETS
 
 # fixture -> SigLIP's head size there (the tensors do not show it)
@@ -113,3 +116,39 @@ def test_the_3b_network_has_every_tensor_of_the_public_layout(kind):
     assert shapes == expected
     assert sum(torch.Size(s).numel() for s in shapes.values()) == pytest.approx(3.23e9 if kind == "pi0" else 3.35e9,
                                                                                  rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["pi0_tiny_1cam", "pi05_tiny_1cam"])
+@torch.no_grad()
+def test_bfloat16_runs_as_lerobots_mixed_precision(name):
+    """lerobot's ``dtype: bfloat16`` (the public checkpoints'): the same parameters in bfloat16 and in float32,
+    and from lerobot's prefix embeddings (our float32 SigLIP differs from theirs in the last bit, which
+    rounding to bfloat16 can turn into a whole bfloat16 step) the same keys and values, and every Euler
+    step's velocity. Rotary frequencies left in float32 (lerobot rounds them) miss by ~1e-2."""
+    ckpt = read_checkpoint(ASSETS / name, vision_head_dim=FIXTURES[name])
+    model = PiZero(ckpt.size).eval()
+    model.load_state_dict(ckpt.tensors(), strict=True)
+    model.use_bfloat16()
+    ref, ref32 = dict(np.load(ASSETS / f"{name}_bf16_outputs.npz")), dict(np.load(ASSETS / f"{name}_outputs.npz"))
+    theirs = json.loads(str(ref["dtypes_json"]))["state_dict_by_dtype"]
+    ours = {}
+    for n, p in model.named_parameters():
+        ours.setdefault(str(p.dtype).removeprefix("torch."), set()).add(n)
+    assert {k: set(our_names(dict.fromkeys(v))) for k, v in theirs.items()} == ours
+    images, masks, tokens, token_masks, state = _inputs(ckpt, model, ref32)
+    _, pad = model.embed_prefix(images, masks, tokens, token_masks)
+    embs = torch.from_numpy(ref["prefix_embs"]).to(torch.bfloat16)
+    mask = additive(attention_mask_2d(pad, torch.zeros_like(pad, dtype=torch.long)))
+    kv, hidden = model.vlm.model.language_model.cache(embs, torch.cumsum(pad, 1) - 1, mask)
+    prefix = Prefix(kv, pad, hidden)
+    for layer, tag in ((0, "layer0"), (-1, "last")):
+        assert prefix.kv[layer][0].dtype == torch.bfloat16
+        _close(prefix.kv[layer][0].float(), ref[f"prefix_k_{tag}"], f"bfloat16 prefix keys, {tag}")
+        _close(prefix.kv[layer][1].float(), ref[f"prefix_v_{tag}"], f"bfloat16 prefix values, {tag}")
+    padded_state = None if ckpt.size.pi05 else pad_to(state, ckpt.size.max_state_dim)
+    x = torch.from_numpy(ref32["noise"])
+    for k in range(int(ckpt.config["num_inference_steps"])):
+        v = model.velocity(prefix, padded_state, x, torch.from_numpy(ref["step_t"][k]))
+        assert v.dtype == torch.float32
+        _close(v, ref["step_v"][k], f"bfloat16 velocity at step {k}")
+        x = torch.from_numpy(ref["step_x_out"][k])

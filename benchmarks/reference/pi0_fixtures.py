@@ -44,8 +44,19 @@ Every parameter is re-drawn from one seeded generator (:func:`randomize`): weigh
 ``randn / sqrt(n)`` (embeddings by their width), 1-D tensors (biases, RMS / layer norm weights) as
 ``0.1 * randn``, including the adaRMS ``dense`` layers, which lerobot initialises to zero.
 
+bfloat16 (``--dtype bfloat16``): loads the committed fp32 checkpoint directories (reads them, writes
+nothing there and leaves ``<name>_outputs.npz`` alone) with lerobot's own option ``dtype="bfloat16"``
+set on the saved config (so ``PaliGemmaWithExpertModel.to_bfloat16_for_selected_params`` runs and
+``load_state_dict`` rounds the fp32 weights), runs :func:`run_fixture` on the same inputs and noise
+(checked equal to the fp32 npz's) and writes ``<name>_bf16_outputs.npz``: the fp32 npz's keys for the
+computed quantities (:data:`BF16_KEYS`, bfloat16 values stored as float32) and ``dtypes_json``, a 0-d
+string holding JSON: the state-dict names by dtype, the floating buffers (dtype, values when small:
+RoPE ``inv_freq``, ``embed_scale``) and the dtypes into and out of each stage on the first inference
+call (:class:`DtypeProbe`).
+
 Usage (from make_pi0_fixtures.sh):
 ``python pi0_fixtures.py {pi0_tiny,pi05_tiny,pi0_tiny_1cam,pi05_tiny_1cam,all} --src SRC --out assets/reference``
+``python pi0_fixtures.py all --dtype bfloat16 --src SRC --out assets/reference`` (after the fp32 run)
 """
 
 from __future__ import annotations
@@ -169,6 +180,7 @@ def import_lerobot(src: Path) -> types.SimpleNamespace:
         "version": "lerobot.__version__",
         "ltypes": "lerobot.lerobot_types",
         "types": "lerobot.configs.types",
+        "policies": "lerobot.configs.policies",
         "constants": "lerobot.utils.constants",
         "pipeline": "lerobot.processor.pipeline",
         "converters": "lerobot.processor.converters",
@@ -436,10 +448,16 @@ def save_fixture(lr, shape: Shape, out: Path, stats) -> None:
     post.save_pretrained(out)
 
 
-def load_fixture(lr, shape: Shape, out: Path, tokenizer: RecordingTokenizer):
+def load_fixture(lr, shape: Shape, out: Path, tokenizer: RecordingTokenizer, dtype: str = "float32"):
     policy_cls = lr.m0.PI0Policy if shape.kind == "pi0" else lr.m5.PI05Policy
+    config = None
+    if dtype != "float32":
+        # the saved config.json (dtype "float32") with lerobot's own `dtype` option changed, as a user
+        # would run the checkpoint in bfloat16; the fp32 weights are cast as load_state_dict copies them
+        config = lr.policies.PreTrainedConfig.from_pretrained(out)
+        config.dtype = dtype
     with tiny_sizes(lr, shape), contextlib.redirect_stdout(sys.stderr):
-        policy = policy_cls.from_pretrained(out)
+        policy = policy_cls.from_pretrained(out, config=config)
     policy.eval()
     # what from_pretrained loaded is the file (lerobot prints, rather than raises, on a failed load)
     from safetensors.torch import load_file
@@ -449,7 +467,7 @@ def load_fixture(lr, shape: Shape, out: Path, tokenizer: RecordingTokenizer):
         assert embed not in saved
         saved[embed] = saved["model.paligemma_with_expert.paligemma.lm_head.weight"]
     assert saved.keys() == loaded.keys(), saved.keys() ^ loaded.keys()
-    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert all(torch.equal(saved[k].to(loaded[k].dtype), loaded[k]) for k in saved)
     pipeline = lr.pipeline.PolicyProcessorPipeline
     pre = pipeline.from_pretrained(out, config_filename="policy_preprocessor.json",
                                    overrides={"tokenizer_processor": {"tokenizer": tokenizer}})
@@ -464,6 +482,7 @@ class Recorder:
 
     def __init__(self, obj, name):
         self.obj, self.name, self.inner, self.calls = obj, name, getattr(obj, name), []
+        self.outer = obj.__dict__.get(name)  # a Recorder already there (DtypeProbe's), else None
         setattr(obj, name, self)
 
     def __call__(self, *args, **kwargs):
@@ -472,21 +491,31 @@ class Recorder:
         return result
 
     def restore(self):
-        delattr(self.obj, self.name)
+        if self.outer is None:
+            delattr(self.obj, self.name)
+        else:
+            setattr(self.obj, self.name, self.outer)
 
 
 def npf(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds every bfloat16 value exactly
+        t = t.float()
     return t.detach().cpu().numpy().copy()
 
 
-def run_fixture(lr, shape: Shape, out: Path, stats) -> dict[str, np.ndarray]:
+def run_fixture(lr, shape: Shape, out: Path, stats, dtype: str = "float32",
+                probe=None) -> dict[str, np.ndarray]:
+    """Load the checkpoint in ``out`` (lerobot's ``dtype`` option: "float32" or "bfloat16") and run it
+    on the fixture's inputs; ``probe(policy)``, when given, is called once the policy is loaded and
+    returns a callable that is called after the inference (it must change nothing)."""
     rng = np.random.default_rng(1000 + shape.seed)
     config = json.loads((out / "config.json").read_text())
     length = config["tokenizer_max_length"]
     ids, mask = token_ids(rng, shape, length)
     tokenizer = RecordingTokenizer(ids, mask)
-    policy, pre, post = load_fixture(lr, shape, out, tokenizer)
+    policy, pre, post = load_fixture(lr, shape, out, tokenizer, dtype)
     model = policy.model
+    probe_done = probe(policy) if probe is not None else None
     b, chunk = shape.batch, shape.chunk_size
     r = {}
 
@@ -520,6 +549,8 @@ def run_fixture(lr, shape: Shape, out: Path, stats) -> dict[str, np.ndarray]:
     actions7 = policy.predict_action_chunk(batch, noise=noise)
     for rec in recorders:
         rec.restore()
+    if probe_done is not None:
+        probe_done()
     embed_prefix, pwe_forward, denoise, sample = recorders
     prefix_embs, prefix_pad, _ = embed_prefix.calls[0][2]
     r["prefix_pad_masks"] = npf(prefix_pad)
@@ -599,6 +630,147 @@ def build(lr, name: str, out_root: Path) -> None:
     print(f"{name}: {len(results)} arrays -> {npz} ({size / 1e6:.2f} MB with the checkpoint)")
 
 
+# what the bfloat16 run stores: the fp32 npz's keys for what the network computes (the inputs are
+# the fp32 run's, checked equal, and are not repeated)
+BF16_KEYS = ("prefix_embs", "prefix_k_layer0", "prefix_v_layer0", "prefix_k_last", "prefix_v_last",
+             "step_t", "step_v", "step_x_out", "actions_model", "actions_norm", "actions",
+             "train_loss", "train_loss_mean")
+# inputs the bfloat16 run must share with the committed fp32 npz
+SHARED_INPUTS = ("frames_u8", "state", "prompts", "tokens", "token_mask", "state_norm", "images",
+                 "image_masks", "noise", "prefix_pad_masks", "train_actions_norm", "train_noise",
+                 "train_time")
+
+
+def _dtype_name(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _dtypes(obj):
+    """The dtypes of the tensors in a module's inputs / outputs (tuples, lists, dicts, ModelOutputs)."""
+    if isinstance(obj, torch.Tensor):
+        return _dtype_name(obj)
+    if isinstance(obj, (tuple, list)):
+        return [_dtypes(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _dtypes(v) for k, v in obj.items() if v is not None and not isinstance(v, (bool, int, float))}
+    if hasattr(obj, "layers") and hasattr(obj, "get_seq_length"):  # a transformers Cache
+        return {"keys": _dtype_name(obj.layers[0].keys), "values": _dtype_name(obj.layers[0].values)}
+    return type(obj).__name__
+
+
+class DtypeProbe:
+    """Records, for the bfloat16 run, the dtype of every parameter and floating buffer after loading,
+    and the dtypes going into and out of each stage on the first call of the inference (hooks and
+    wrappers that only look)."""
+
+    def __init__(self, lr, shape: Shape):
+        self.lr, self.shape, self.trace, self.info = lr, shape, {}, {}
+
+    def _keep(self, name, **entry):
+        self.trace.setdefault(name, entry)
+
+    def __call__(self, policy):
+        lr, model = self.lr, policy.model
+        by_dtype: dict[str, list[str]] = {}
+        for name, t in policy.state_dict().items():
+            if t.is_floating_point():
+                by_dtype.setdefault(_dtype_name(t), []).append(name)
+        buffers = {}
+        for name, b in policy.named_buffers(remove_duplicate=False):
+            if b.is_floating_point():
+                buffers[name] = {"dtype": _dtype_name(b), "persistent": name in policy.state_dict(),
+                                 **({"values": b.float().flatten().tolist()} if b.numel() <= 64 else {})}
+        self.info = {"state_dict_by_dtype": by_dtype, "float_buffers": buffers}
+
+        pwe = model.paligemma_with_expert
+        vlm, expert = pwe.paligemma.model.language_model, pwe.gemma_expert.model
+        names = {"vision_tower": pwe.paligemma.model.vision_tower,
+                 "multi_modal_projector": pwe.paligemma.model.multi_modal_projector,
+                 "vlm.embed_tokens": vlm.embed_tokens, "vlm.rotary_emb": vlm.rotary_emb}
+        for tag, stack in (("vlm", vlm), ("expert", expert)):
+            layer = stack.layers[0]
+            names.update({f"{tag}.layers.0": layer, f"{tag}.layers.0.input_layernorm": layer.input_layernorm,
+                          f"{tag}.layers.0.self_attn": layer.self_attn,
+                          f"{tag}.layers.0.self_attn.q_proj": layer.self_attn.q_proj,
+                          f"{tag}.layers.0.self_attn.o_proj": layer.self_attn.o_proj,
+                          f"{tag}.layers.0.post_attention_layernorm": layer.post_attention_layernorm,
+                          f"{tag}.layers.0.mlp": layer.mlp, f"{tag}.norm": stack.norm})
+        names["expert.rotary_emb"] = expert.rotary_emb
+        heads = (("state_proj", "action_in_proj", "action_time_mlp_in", "action_time_mlp_out")
+                 if self.shape.kind == "pi0" else ("action_in_proj", "time_mlp_in", "time_mlp_out"))
+        names.update({h: getattr(model, h) for h in (*heads, "action_out_proj")})
+        handles = []
+        for name, module in names.items():
+            def hook(module, args, kwargs, output, name=name):
+                self._keep(name, args=_dtypes(list(args)), kwargs=_dtypes(kwargs), out=_dtypes(output))
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+        attn_names = {id(vlm.layers[0].self_attn): "vlm.layers.0", id(expert.layers[0].self_attn): "expert.layers.0"}
+        gemma = lr.m0.modeling_gemma
+        eager = gemma.eager_attention_forward
+
+        def attention(module, query, key, value, attention_mask, scaling, *args, **kwargs):
+            output, weights = eager(module, query, key, value, attention_mask, scaling, *args, **kwargs)
+            if id(module) in attn_names:
+                self._keep(f"{attn_names[id(module)]}.eager_attention_forward",
+                           args=_dtypes([query, key, value, attention_mask]), scaling=scaling,
+                           out=_dtypes([output, weights]))
+            return output, weights
+
+        gemma.eager_attention_forward = attention  # looked up by GemmaAttention.forward at each call
+        sinusoid = {m: m.create_sinusoidal_pos_embedding for m in (lr.m0, lr.m5)}
+
+        def time_embedding(time, *args, _f=sinusoid[lr.m0], **kwargs):
+            result = _f(time, *args, **kwargs)
+            self._keep("create_sinusoidal_pos_embedding", args=[_dtype_name(time)], out=_dtype_name(result))
+            return result
+
+        for m in sinusoid:
+            m.create_sinusoidal_pos_embedding = time_embedding
+        recorders = [Recorder(pwe, "embed_image"), Recorder(pwe, "embed_language_tokens"),
+                     Recorder(model, "embed_prefix"), Recorder(model, "denoise_step"),
+                     Recorder(model, "sample_actions")]
+
+        def done():
+            for h in handles:
+                h.remove()
+            gemma.eager_attention_forward = eager
+            for m, f in sinusoid.items():
+                m.create_sinusoidal_pos_embedding = f
+            for rec in recorders:
+                rec.restore()
+                args, kwargs, result = rec.calls[0]
+                self._keep(f"{type(rec.obj).__name__}.{rec.name}", args=_dtypes(list(args)),
+                           kwargs=_dtypes(kwargs), out=_dtypes(result))
+        return done
+
+
+def build_bf16(lr, name: str, out_root: Path) -> None:
+    """Run the committed fp32 checkpoint ``out_root/name`` (read, never rewritten) with lerobot's
+    ``dtype="bfloat16"`` on the fp32 run's inputs and noise; write ``<name>_bf16_outputs.npz``."""
+    shape = SHAPES[name]
+    out = out_root / name
+    fp32_npz = out_root / f"{name}_outputs.npz"
+    if not (out / "model.safetensors").is_file() or not fp32_npz.is_file():
+        raise SystemExit(f"{out} / {fp32_npz}: build the float32 fixture first")
+    stats = dataset_stats(np.random.default_rng(500 + shape.seed), shape)
+    probe = DtypeProbe(lr, shape)
+    results = run_fixture(lr, shape, out, stats, dtype="bfloat16", probe=probe)
+    with np.load(fp32_npz) as ref:
+        for key in SHARED_INPUTS:
+            assert np.array_equal(results[key], ref[key]), f"{name}: {key} differs from the fp32 run's"
+        kept = {k: results[k] for k in BF16_KEYS if k in results}
+        assert {k for k in BF16_KEYS if k in ref} == kept.keys(), kept.keys()
+    for k, v in kept.items():
+        assert v.dtype == np.float32, (k, v.dtype)
+    kept["dtypes_json"] = np.array(json.dumps(
+        {"lerobot_dtype": "bfloat16", **probe.info, "first_call_dtypes": probe.trace}, sort_keys=True))
+    npz = out_root / f"{name}_bf16_outputs.npz"
+    np.savez_compressed(npz, **kept)
+    npz.chmod(0o644)
+    print(f"{name}: {len(kept)} arrays -> {npz} ({npz.stat().st_size / 1e6:.2f} MB)")
+
+
 def dump_layout(lr, kind: str, out_root: Path) -> None:
     """The public 3B network's tensors (lerobot's default sizes: gemma_2b, gemma_300m, SigLIP so400m),
     ``{name: shape}`` as a downloaded ``model.safetensors`` holds them, built on the meta device."""
@@ -629,6 +801,9 @@ def main() -> None:
                         help="a fixture, all of them, or the 3B layouts (pi0_3b_layout.json, pi05_3b_layout.json)")
     parser.add_argument("--src", type=Path, required=True, help="directory holding lerobot/ (0.6.1)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="bfloat16: run the existing fp32 checkpoint(s) with lerobot's dtype='bfloat16' and "
+                             "write <name>_bf16_outputs.npz (the checkpoints and fp32 outputs are not touched)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -637,11 +812,16 @@ def main() -> None:
     if version != "0.6.1":
         raise SystemExit(f"--src is lerobot {version}, not 0.6.1")
     if args.name == "layouts":
+        if args.dtype != "float32":
+            parser.error("layouts take no --dtype")
         for kind in ("pi0", "pi05"):
             dump_layout(lr, kind, args.out)
         return
     for name in SHAPES if args.name == "all" else [args.name]:
-        build(lr, name, args.out)
+        if args.dtype == "bfloat16":
+            build_bf16(lr, name, args.out)
+        else:
+            build(lr, name, args.out)
 
 
 if __name__ == "__main__":

@@ -83,10 +83,11 @@ class RolloutWorker(Worker):
         return step_noise[env_rank][self.layout.stage_slice(stage)]
 
     def _act(self, obs: dict, deterministic: bool, noise: torch.Tensor):
-        actions, logprob, value = self.policy.act(self._obs(obs), deterministic=deterministic, noise=noise)
+        obs = self._obs(obs)
+        actions, logprob, value = self.policy.act(obs, deterministic=deterministic, noise=noise)
         # what the simulator gets (a Gaussian's sample clipped to the box, a VLA's tokens decoded);
         # the policy's own ``actions`` are what was scored
-        return actions, logprob, value, self.policy.to_env(actions).cpu()
+        return actions, logprob, value, self.policy.to_env(actions, obs).cpu()
 
     def _uniform(self, obs: dict, deterministic: bool, noise: torch.Tensor):
         """Uniform actions in the [-1, 1] box from the step's standard-normal noise (``policy=random``'s

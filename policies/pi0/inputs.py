@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,6 +34,26 @@ def resize_with_pad(images: torch.Tensor, size: int) -> torch.Tensor:
 def vision_input(images: torch.Tensor, size: int) -> torch.Tensor:
     """The vision tower's input: resized with padding, then mapped from [0, 1] to [-1, 1]."""
     return resize_with_pad(images, size) * 2.0 - 1.0
+
+
+def pil_resize_with_pad(frames: torch.Tensor, size: int) -> torch.Tensor:
+    """openpi's client-side resize (``openpi_client.image_tools.resize_with_pad``): uint8 frames
+    ``[B, H, W, 3]`` -> uint8 ``[B, size, size, 3]``, each scaled by PIL's bilinear filter (which widens
+    when it shrinks: antialiased, unlike :func:`resize_with_pad`) so the longer side fits, then centred
+    on black. Frames already ``size`` square pass through."""
+    h, w = frames.shape[1:3]
+    if (h, w) == (size, size):
+        return frames
+    from PIL import Image
+
+    ratio = max(w / size, h / size)
+    new_w, new_h = int(w / ratio), int(h / ratio)
+    top, left = (size - new_h) // 2, (size - new_w) // 2
+    out = torch.zeros(frames.shape[0], size, size, 3, dtype=torch.uint8)
+    for i, frame in enumerate(frames.cpu().numpy()):
+        resized = Image.fromarray(frame).resize((new_w, new_h), resample=Image.BILINEAR)
+        out[i, top:top + new_h, left:left + new_w] = torch.from_numpy(np.asarray(resized))
+    return out.to(frames.device)
 
 
 def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -63,13 +84,18 @@ def pi05_prompt(task: str, state: torch.Tensor | None) -> str:
 
 @dataclass
 class Normalizer:
-    """A feature's statistics and the rule the checkpoint trained with: ``mean_std`` (pi0:
-    ``(x - mean) / (std + eps)``, back ``y * std + mean``) or ``quantiles`` (pi0.5: ``q01 .. q99`` to
-    ``[-1, 1]``, no clipping; where ``q99 == q01`` the width is ``eps``)."""
+    """A feature's statistics and the rule the checkpoint trained with: ``mean_std`` (pi0) or
+    ``quantiles`` (pi0.5: ``q01 .. q99`` to ``[-1, 1]``, no clipping), in one of two conventions:
+
+    - ``lerobot``: ``(x - mean) / (std + eps)``, back ``y * std + mean``; quantile width ``q99 - q01``,
+      ``eps`` where it is 0 (eps 1e-8, the processor's);
+    - ``openpi`` (``transforms.Normalize``): ``eps = 1e-6`` added to ``std`` and to the quantile width,
+      both ways."""
 
     mode: str
     stats: dict[str, torch.Tensor]
     eps: float = 1e-8
+    convention: str = "lerobot"
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         s = {k: v.to(x.device, x.dtype) for k, v in self.stats.items()}
@@ -80,9 +106,12 @@ class Normalizer:
     def unnormalize(self, y: torch.Tensor) -> torch.Tensor:
         s = {k: v.to(y.device, y.dtype) for k, v in self.stats.items()}
         if self.mode == "mean_std":
-            return y * s["std"] + s["mean"]
+            scale = s["std"] + self.eps if self.convention == "openpi" else s["std"]
+            return y * scale + s["mean"]
         return (y + 1) * self._width(s) / 2 + s["q01"]
 
     def _width(self, s: dict[str, torch.Tensor]) -> torch.Tensor:
         width = s["q99"] - s["q01"]
+        if self.convention == "openpi":
+            return width + self.eps
         return torch.where(width == 0, torch.full_like(width, self.eps), width)

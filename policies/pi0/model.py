@@ -28,6 +28,9 @@ from policies.flow_steps import ode_mean, time_grid
 from policies.pi0.transformer import GemmaStack, StackSize, additive, attention_mask_2d
 
 MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0  # the time embedding's sinusoid periods
+# what lerobot keeps in float32 when it runs the Gemma stacks in bfloat16 (to_bfloat16_for_selected_params):
+# the vision tower, the projector and every norm (the adaRMS dense layers too)
+FLOAT32_ISLANDS = ("vision_tower", "multi_modal_projector", "input_layernorm", "post_attention_layernorm", "model.norm")
 
 
 @dataclass(frozen=True)
@@ -127,9 +130,9 @@ class Prefix:
         return Prefix(kv, self.pad.repeat_interleave(repeats, dim), self.hidden.repeat_interleave(repeats, dim))
 
     def pooled(self) -> torch.Tensor:
-        """``[B, W]``: the mean of the real tokens' output."""
-        weights = self.pad[..., None].to(self.hidden.dtype)
-        return (self.hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+        """``[B, W]`` float32: the mean of the real tokens' output."""
+        weights = self.pad[..., None].float()
+        return (self.hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1.0)
 
 
 def time_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -158,6 +161,24 @@ class PiZero(nn.Module):
         else:
             self.state_proj = nn.Linear(size.max_state_dim, e)
             self.action_time_mlp_in, self.action_time_mlp_out = nn.Linear(2 * e, e), nn.Linear(e, e)
+
+    def use_bfloat16(self) -> None:
+        """lerobot's mixed precision (``dtype: bfloat16``): the two Gemma stacks' weights, token embedding and
+        rotary frequencies in bfloat16, :data:`FLOAT32_ISLANDS` and the heads outside the stacks in float32.
+        Activations follow: SigLIP, the projector, the time MLPs, the action projections and the Euler
+        steps run in float32; the stacks in bfloat16 (norms and softmax computed in float32)."""
+        stacks = self.paligemma_with_expert
+        for name, param in stacks.named_parameters():  # lerobot casts before it loads: the islands keep every bit
+            if not any(island in name for island in FLOAT32_ISLANDS):
+                param.data = param.data.to(torch.bfloat16)
+        for module in stacks.modules():  # the rotary frequencies too, as lerobot's .to(bfloat16) casts them
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.is_floating_point():
+                    setattr(module, name, buffer.to(torch.bfloat16))
+
+    @property
+    def stack_dtype(self) -> torch.dtype:
+        return self.expert.layers[0].self_attn.q_proj.weight.dtype
 
     @property
     def vlm(self) -> PaliGemma:
@@ -192,7 +213,7 @@ class PiZero(nn.Module):
         embs, pad = self.embed_prefix(images, image_masks, tokens, token_masks)
         mask = additive(attention_mask_2d(pad, torch.zeros_like(pad, dtype=torch.long)))
         positions = torch.cumsum(pad, dim=1) - 1  # padding repeats the last position
-        kv, hidden = self.vlm.model.language_model.cache(embs, positions, mask)
+        kv, hidden = self.vlm.model.language_model.cache(embs.to(self.stack_dtype), positions, mask)
         return Prefix(kv, pad, hidden)
 
     # -- the suffix ----------------------------------------------------------------------------------
@@ -218,7 +239,7 @@ class PiZero(nn.Module):
                                 blocks.to(suffix.device)[None].expand(b, s))
         mask = additive(torch.cat([prefix.pad[:, None, :].expand(b, s, p), own], dim=2))
         positions = prefix.pad.sum(-1)[:, None] + torch.arange(s, device=suffix.device)[None]
-        out = self.expert(suffix, positions, mask, prefix.kv, cond)
+        out = self.expert(suffix.to(self.stack_dtype), positions, mask, prefix.kv, cond)
         return self.action_out_proj(out[:, -x_t.shape[1]:].float())
 
     # -- sampling and the flow-matching loss ------------------------------------------------------------

@@ -25,12 +25,13 @@ from envs.common import UserError
 from policies.base import POLICIES, changed_settings, layer_init, rowwise_exact
 from policies.flow_policy import FlowMatchingPolicy, time_features
 from policies.pi0.checkpoint import PiCheckpoint, read_checkpoint
-from policies.pi0.inputs import Normalizer, pad_to, pi0_prompt, pi05_prompt, vision_input
+from policies.pi0.inputs import Normalizer, pad_to, pi0_prompt, pi05_prompt, pil_resize_with_pad, vision_input
 from policies.pi0.model import PiSize, PiZero, Prefix, VisionSize
 from policies.pi0.transformer import StackSize
 from policies.vla.processor import byte_tokenizer
 
 VARIANTS = ("pi0", "pi05")
+RESIZES = ("lerobot", "openpi")  # policy.pi.resize
 TIME_FEATURES = 16
 
 
@@ -57,19 +58,21 @@ class PiPolicy(FlowMatchingPolicy):
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
-        ckpt = read_checkpoint(cfg.vla.model_path, cfg.pi.vision_head_dim) if cfg.vla.model_path else None
+        ckpt = _read(cfg) if cfg.vla.model_path else None
         self.size = ckpt.size if ckpt else tiny_size(cfg.pi.variant, max(cfg.chunk_size, 4))
         self._setup_flow(cfg, action_dim)
         self.width = self.size.chunk_size * self.size.max_action_dim  # the chain is the model's whole chunk
         self.noise_dim = (self.steps + 1) * self.width + 1
         self.model = PiZero(self.size)
+        if cfg.vla.dtype == "bfloat16":  # before loading, as lerobot casts: the float32 islands keep every bit
+            self.model.use_bfloat16()
         if ckpt is not None:
             self.model.load_state_dict(ckpt.tensors(), strict=True)
         self.state_norm, self.action_norm = _normalizers(ckpt, obs_spec, action_dim)
         self.cameras, self.instruction = list(cfg.vla.cameras), cfg.vla.instruction
         self.mirror = cfg.vla.mirror_images  # LIBERO checkpoints: frames rotated 180 degrees from upright
-        self.empty_cameras = ckpt.empty_cameras if ckpt else 0
-        self.state_prompt = cfg.pi.state_prompt
+        self.empty_cameras = ckpt.empty_cameras(len(self.cameras)) if ckpt else 0
+        self.state_prompt, self.resize, self.delta_actions = cfg.pi.state_prompt, cfg.pi.resize, cfg.pi.delta_actions
         self.tokenizer = _tokenizer(cfg.pi.tokenizer_path, ckpt)
         self.max_tokens = cfg.pi.max_tokens or (ckpt.config.get("tokenizer_max_length", 48) if ckpt else 48)
         width = self.size.vlm.width
@@ -84,27 +87,35 @@ class PiPolicy(FlowMatchingPolicy):
         notes = super().check_config(cfg, action_dim)
         if cfg.pi.variant not in VARIANTS:
             raise UserError(f"policy.pi.variant={cfg.pi.variant}: pick one of {list(VARIANTS)}.")
+        if cfg.pi.resize not in RESIZES:
+            raise UserError(f"policy.pi.resize={cfg.pi.resize}: pick lerobot (float bilinear) or openpi (PIL's "
+                            "antialiased bilinear on uint8), as the checkpoint's authors resize.")
+        if action_dim is not None and cfg.pi.delta_actions > action_dim:
+            raise UserError(f"policy.pi.delta_actions={cfg.pi.delta_actions}, but this env's actions have {action_dim} "
+                            "dims: name how many leading dims are offsets from the state (openpi's pi0_libero: 6).")
         unread = changed_settings(cfg.vla, "vla", skip=READ_VLA_KEYS)
         if unread:
             raise UserError(f"policy=pi0 does not read {', '.join(unread)} (OpenVLA / OFT settings): the checkpoint's "
                             "own statistics and lerobot's pre-processing apply. Leave them at their defaults.")
-        if cfg.vla.dtype != "float32":
-            raise UserError(f"policy.vla.dtype={cfg.vla.dtype}: policy=pi0 runs in float32 so far (bfloat16, with "
-                            "lerobot's float32 vision tower and norms, is not built yet). Set "
-                            "policy.vla.dtype=float32.")
+        if cfg.vla.dtype not in ("float32", "bfloat16"):
+            raise UserError(f"policy.vla.dtype={cfg.vla.dtype}: policy=pi0 runs in float32 or bfloat16 (lerobot's "
+                            "mixed precision: the Gemma stacks in bfloat16, SigLIP, the norms and the heads in "
+                            "float32).")
         if not cfg.vla.model_path:
             return notes
-        ckpt = read_checkpoint(cfg.vla.model_path, cfg.pi.vision_head_dim)
+        ckpt = _read(cfg)
         check_env_sizes(ckpt, None, action_dim)
         if cfg.chunk_size > ckpt.size.chunk_size:
             raise UserError(f"policy.chunk_size={cfg.chunk_size}, but {ckpt.path} predicts chunks of "
                             f"{ckpt.size.chunk_size}. Execute at most that many (its n_action_steps: "
                             f"{ckpt.config.get('n_action_steps')}).")
-        if len(cfg.vla.cameras) != len(ckpt.cameras):
+        if not ckpt.fits_cameras(len(cfg.vla.cameras)):
+            fill = " (the env's fill the first slots)" if ckpt.layout == "openpi" else ""
             raise UserError(f"policy.vla.cameras={list(cfg.vla.cameras)}, but {ckpt.path} reads "
-                            f"{len(ckpt.cameras)} camera(s) ({', '.join(ckpt.cameras)}): name the env's images in "
-                            "that order.")
-        return notes + [f"pi0 checkpoint {ckpt.path}: {ckpt.config['type']}, chunks of {ckpt.size.chunk_size}"]
+                            f"{len(ckpt.cameras)} camera(s) ({', '.join(ckpt.cameras)}){fill}: name the env's images "
+                            "in that order.")
+        return notes + [f"pi0 checkpoint {ckpt.path} ({ckpt.layout}'s layout): {ckpt.config['type']}, chunks of "
+                        f"{ckpt.size.chunk_size}"]
 
     @classmethod
     def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
@@ -114,7 +125,7 @@ class PiPolicy(FlowMatchingPolicy):
             raise UserError(f"policy.vla.cameras names {missing}, which this env does not observe (it has "
                             f"{sorted(obs_spec)}). Name its camera images, e.g. env.obs_mode=rgb.")
         if cfg.vla.model_path:
-            check_env_sizes(read_checkpoint(cfg.vla.model_path, cfg.pi.vision_head_dim), obs_spec, action_dim)
+            check_env_sizes(_read(cfg), obs_spec, action_dim)
 
     def freeze_trunk(self, train: str) -> None:
         """``policy.flow.train=expert``: the VLM (vision tower, projector, language model) keeps its weights."""
@@ -143,8 +154,11 @@ class PiPolicy(FlowMatchingPolicy):
 
     def heads(self, obs: dict[str, torch.Tensor]) -> tuple[Features, torch.Tensor]:
         first = obs[self.cameras[0]]
+        size = self.size.vision.image_size
         frames = [obs[c].flip(2) if self.mirror else obs[c] for c in self.cameras]  # [B, H, W, 3]: W is dim 2
-        images = [vision_input(f.permute(0, 3, 1, 2).float() / 255, self.size.vision.image_size) for f in frames]
+        if self.resize == "openpi":  # resized on uint8 (the client's), then vision_input passes it through
+            frames = [pil_resize_with_pad(f, size) for f in frames]
+        images = [vision_input(f.permute(0, 3, 1, 2).float() / 255, size) for f in frames]
         masks = [torch.ones(first.shape[0], dtype=torch.bool, device=first.device) for _ in self.cameras]
         for _ in range(self.empty_cameras):  # blank slots: -1 everywhere, masked out (as lerobot feeds them)
             images.append(torch.full_like(images[0], -1.0))
@@ -170,17 +184,29 @@ class PiPolicy(FlowMatchingPolicy):
         squashed = rowwise_exact(torch.sigmoid, self.noise_head(torch.cat([tokens, time], -1)))
         return (self.noise_min + (self.noise_max - self.noise_min) * squashed).flatten(1)
 
-    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
-        """The chunk's first ``chunk_size`` actions, cropped to the env's size and un-normalised:
-        ``[B, chunk_size, A]`` (``[B, A]`` for a chunk of one)."""
+    def to_env(self, actions: torch.Tensor, obs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The chunk's first ``chunk_size`` actions, cropped to the env's size, un-normalised, and with
+        ``policy.pi.delta_actions`` the observed state added to its leading dims: ``[B, chunk_size, A]``
+        (``[B, A]`` for a chunk of one)."""
         chunk = self._chunk(actions[:, -1 - self.width:-1])[:, :self.chunk_size, :self.action_dim]
         decoded = chunk if self.action_norm is None else self.action_norm.unnormalize(chunk)
+        if self.delta_actions:
+            decoded = decoded + self._delta_offset(obs, decoded)
         return decoded if self.chunk_size > 1 else decoded[:, 0]
+
+    def _delta_offset(self, obs: dict[str, torch.Tensor] | None, chunk: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, A]``: the state the chunk was planned on in its first ``delta_actions`` dims, 0 elsewhere."""
+        if obs is None or "state" not in obs:
+            raise ValueError("policy.pi.delta_actions: to_env needs the observations the actions were chosen on")
+        n = self.delta_actions
+        return pad_to(obs["state"][:, None, :n].to(chunk.device, chunk.dtype), chunk.shape[-1])
 
     def demo_loss(self, obs: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """The flow-matching loss on demo chunks ``targets [B, chunk_size, A]``, normalised as the checkpoint's
         actions, padded to the model's chunk and action size, at ``t ~ U(0.001, 1)`` (lerobot's pi0 training
         draws ``t`` from ``Beta(1.5, 1) * 0.999 + 0.001`` instead)."""
+        if self.delta_actions:  # demos record absolute actions; the model predicts the offsets
+            targets = targets - self._delta_offset(obs, targets)
         a = targets if self.action_norm is None else self.action_norm.normalize(targets)
         a = nn.functional.pad(pad_to(a, self.size.max_action_dim), (0, 0, 0, self.size.chunk_size - a.shape[1]))
         features, _ = self.heads(obs)
@@ -203,6 +229,10 @@ def check_env_sizes(ckpt: PiCheckpoint, obs_spec: dict | None, action_dim: int |
     if state is not None and ckpt.state is not None and state != ckpt.state_dim:
         raise UserError(f"{ckpt.path} reads a state of {ckpt.state_dim} numbers, but this env's has {state}. Use "
                         "the env settings the checkpoint was trained with.")
+
+
+def _read(cfg) -> PiCheckpoint:
+    return read_checkpoint(cfg.vla.model_path, cfg.pi.vision_head_dim, cfg.pi.norm_stats)
 
 
 def _normalizers(ckpt: PiCheckpoint | None, obs_spec: dict, action_dim: int

@@ -332,9 +332,9 @@ class OpenVLAOFTPolicy(ParallelTokenPolicy, OpenVLAPolicy):
         chunk = self.action_head(hidden, self.chunk_size).flatten(1).float()
         return chunk, torch.zeros_like(chunk), value
 
-    def to_env(self, actions: torch.Tensor) -> torch.Tensor:
+    def to_env(self, actions: torch.Tensor, obs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         if self.action_head is None:
-            return super().to_env(actions)
+            return super().to_env(actions, obs)
         chunk = self.actions.unnormalize(actions.unflatten(-1, (self.chunk_size, self.action_dim)).cpu())
         chunk = self.adapter.actions(chunk.to(actions.device))
         return chunk if self.chunk_size > 1 else chunk[:, 0]
