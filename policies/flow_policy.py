@@ -14,8 +14,9 @@ policies/flow_steps.py) with some steps stochastic, as ``policy.flow.method`` sa
 
 The policy's ``actions`` are the chain itself and which step was stochastic, ``[B, (K + 1) * D + 1]``
 (``x_0 .. x_K`` flattened, then the step, -1 for all): the update re-scores the stored transitions
-with the new weights, never the noise. ``log_prob`` is ``[B, D]``, one term per number of the chunk
-(``algorithm.logprob_level`` sums them per action or per chunk). ``act(deterministic=True)`` is
+with the new weights, never the noise. ``log_prob`` is ``[B, chunk_size * A]``, one term per number of
+the chunk the env executes (:meth:`FlowMatchingPolicy.scored`: a chain wider than that, pi0's, scores only
+these; ``algorithm.logprob_level`` sums them per action or per chunk). ``act(deterministic=True)`` is
 the ODE alone over ``policy.flow.eval_steps`` from the caller's ``x_0``. ``noise [B, noise_dim]``,
 ``noise_dim = (K + 1) * D + 1``: ``x_0``, each step's draw and one draw that picks the Flow-SDE step.
 
@@ -70,13 +71,13 @@ class FlowSDE:
 
     def score(self, policy: FlowMatchingPolicy, features: torch.Tensor, chain: torch.Tensor,
               step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored stochastic step's ``(log_prob [B, D], entropy [B])`` under the current weights."""
+        """The stored stochastic step's ``(log_prob [B, D], entropy [B, D])`` under the current weights."""
         rows = torch.arange(len(chain), device=chain.device)
         k = step.long()
         x, after = chain[rows, k], chain[rows, k + 1]
         t = time_grid(self.steps).to(chain.device)[k]
         mean, std = sde_step(x, policy.velocity(features, x, t), t[:, None], 1.0 / self.steps, self.noise_level)
-        return gaussian_logprob(after, mean, std), gaussian_entropy(std).sum(-1)
+        return gaussian_logprob(after, mean, std), gaussian_entropy(std)
 
 
 class FlowNoise:
@@ -100,7 +101,7 @@ class FlowNoise:
 
     def score(self, policy: FlowMatchingPolicy, features: torch.Tensor, chain: torch.Tensor,
               step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log_prob [B, D], entropy [B])`` of the stored chain: all ``K`` steps in one batched pass."""
+        """``(log_prob [B, D], entropy [B, D])`` of the stored chain: all ``K`` steps in one batched pass."""
         b, k = len(chain), self.steps
         x = chain[:, :-1].flatten(0, 1)  # [B * K, D]: each step's start
         t = time_grid(k).to(chain.device)[:-1].repeat(b)
@@ -108,7 +109,7 @@ class FlowNoise:
         mean, std = ode_mean(x, policy.velocity(feats, x, t), 1.0 / k), policy.noise_std(feats, x, t)
         steps = gaussian_logprob(chain[:, 1:].flatten(0, 1), mean, std).unflatten(0, (b, k))
         first = gaussian_logprob(chain[:, 0], torch.zeros_like(chain[:, 0]), torch.ones_like(chain[:, 0]))
-        entropy = gaussian_entropy(std).sum(-1).unflatten(0, (b, k)).mean(-1)
+        entropy = gaussian_entropy(std).unflatten(0, (b, k)).mean(1)
         return (first + steps.sum(1)) / (k + 1), entropy
 
 
@@ -175,6 +176,11 @@ class FlowMatchingPolicy(Policy):
         """Flow-Noise's std ``[B, D]`` of the step from ``x`` at ``t``, within the configured bounds."""
         raise NotImplementedError
 
+    def scored(self, per_element: torch.Tensor) -> torch.Tensor:
+        """``[B, D]`` per number of the chain -> ``[B, chunk_size * A]``, the numbers the env executes, whose
+        log-probabilities (and entropy) the update trains on: all of them here (the chain is the chunk)."""
+        return per_element
+
     # -- the policy protocol -------------------------------------------------------------
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.heads(obs)[1]
@@ -198,7 +204,7 @@ class FlowMatchingPolicy(Policy):
 
     @torch.no_grad()
     def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False, noise: torch.Tensor | None = None):
-        """``(chain and step [B, (K + 1) * D + 1], log_prob [B, D], value [B])``; deterministic: the
+        """``(chain and step [B, (K + 1) * D + 1], log_prob [B, chunk_size * A], value [B])``; deterministic: the
         ODE over ``eval_steps`` (its chain is that long), log-probs zero."""
         features, value = self.heads(obs)
         b = len(value)
@@ -206,18 +212,19 @@ class FlowMatchingPolicy(Policy):
         x0 = noise[:, :self.width]
         if deterministic:
             chain = self.ode_chain(features, x0, self.eval_steps)
-            return self.pack(chain, torch.full((b,), -1, device=x0.device)), torch.zeros_like(x0), value
+            return self.pack(chain, torch.full((b,), -1, device=x0.device)), self.scored(torch.zeros_like(x0)), value
         draws = noise[:, self.width:-1].unflatten(-1, (self.steps, self.width))
         uniform = rowwise_exact(torch.special.ndtr, noise[:, -1])
         chain, step, logprob = self.method.sample(self, features, x0, draws, uniform)
-        return self.pack(chain, step), logprob, value
+        return self.pack(chain, step), self.scored(logprob), value
 
     def evaluate(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
-        """``(log_prob [B, D], entropy [B], value [B])`` of the stored chains under the current weights."""
+        """``(log_prob [B, chunk_size * A], entropy [B], value [B])`` of the stored chains under the current
+        weights."""
         features, value = self.heads(obs)
         chain, step = self.unpack(actions)
         logprob, entropy = self.method.score(self, features, chain, step)
-        return logprob, entropy, value
+        return self.scored(logprob), self.scored(entropy).sum(-1), value
 
     def to_env(self, actions: torch.Tensor, obs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The chain's last point, clipped to [-1, 1] and un-normalised: ``[B, A]``, or ``[B, chunk_size, A]``."""

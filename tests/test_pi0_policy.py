@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import policies.pi0.policy as pi0_policy
+from embodied.algorithms.logprob_levels import group_logprobs
 from embodied.config import compose
 from envs.base import encode_instructions
 from envs.common import UserError
@@ -68,7 +69,9 @@ def test_rl_rescores_the_sampled_chain_to_the_same_log_probs(method, monkeypatch
     again, entropy, value_again = policy.evaluate(obs, actions)
     torch.testing.assert_close(again, logprob)
     torch.testing.assert_close(value_again, value)
-    assert logprob.shape == (2, policy.width) and entropy.shape == (2,)
+    # the executed actions (chunk_size of the model's 50) in the env's 7 dims (of 32): one unit per action
+    assert logprob.shape == (2, 5 * 7) and entropy.shape == (2,)
+    assert group_logprobs(logprob, "action", 7).shape == (2, 5)
     again.sum().backward()  # gradients reach the expert through the re-scored chain
     assert policy.model.action_in_proj.weight.grad is not None
 
@@ -195,3 +198,17 @@ def test_a_lerobot_pi05_checkpoint_is_evaluated_on_libero_from_the_cli(ray_clust
     assert result["provenance"]["weights"]["model_path"] == str(ASSETS / "pi05_tiny")
     assert "libero_spatial" in (out / "eval.md").read_text()
     assert len(list((out / "videos").glob("task_*.mp4"))) == 1
+
+
+def test_demo_loss_draws_times_as_pi0_trains(monkeypatch):
+    """``t ~ Beta(1.5, 1) * 0.999 + 0.001`` (mean 0.600), not uniform (mean 0.5)."""
+    torch.manual_seed(0)
+    policy = make_policy(compose(["policy=pi0_tiny"]).policy, {"rgb": ((56, 56, 3), torch.uint8)}, 4)
+    drawn = []
+    real = policy.model.flow_loss
+    monkeypatch.setattr(policy.model, "flow_loss", lambda *a: drawn.append(a[-1]) or real(*a))
+    obs = {"rgb": torch.zeros(400, 56, 56, 3, dtype=torch.uint8)}
+    with torch.no_grad():
+        policy.demo_loss(obs, torch.zeros(400, 4, 4))
+    t = drawn[0]
+    assert 0.001 <= t.min() and t.max() <= 1.0 and abs(t.mean().item() - 0.6004) < 0.04

@@ -33,6 +33,8 @@ from policies.vla.processor import byte_tokenizer
 VARIANTS = ("pi0", "pi05")
 RESIZES = ("lerobot", "openpi")  # policy.pi.resize
 TIME_FEATURES = 16
+# the flow-matching loss's time distribution, Beta(alpha, beta) * scale + offset (lerobot's and openpi's defaults)
+TIME_SAMPLING = {"beta_alpha": 1.5, "beta_beta": 1.0, "scale": 0.999, "offset": 0.001}
 
 
 def tiny_size(variant: str, chunk: int) -> PiSize:
@@ -74,7 +76,9 @@ class PiPolicy(FlowMatchingPolicy):
         self.empty_cameras = ckpt.empty_cameras(len(self.cameras)) if ckpt else 0
         self.state_prompt, self.resize, self.delta_actions = cfg.pi.state_prompt, cfg.pi.resize, cfg.pi.delta_actions
         self.tokenizer = _tokenizer(cfg.pi.tokenizer_path, ckpt)
-        self.max_tokens = cfg.pi.max_tokens or (ckpt.config.get("tokenizer_max_length", 48) if ckpt else 48)
+        config = ckpt.config if ckpt else {}
+        self.time_sampling = tuple(float(config.get(f"time_sampling_{k}", d)) for k, d in TIME_SAMPLING.items())
+        self.max_tokens = cfg.pi.max_tokens or config.get("tokenizer_max_length", 48)
         width = self.size.vlm.width
         self.critic = layer_init(nn.Linear(width, 1), gain=1.0)
         self.noise_head = layer_init(nn.Linear(self.size.max_action_dim + TIME_FEATURES, self.size.max_action_dim),
@@ -178,6 +182,12 @@ class PiPolicy(FlowMatchingPolicy):
     def velocity(self, features: Features, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.model.velocity(features.prefix, features.state, self._chunk(x), t).flatten(1)
 
+    def scored(self, per_element: torch.Tensor) -> torch.Tensor:
+        """The executed actions' share of the chain, ``[B, chunk_size * A]``: the first ``chunk_size`` of the
+        model's ``H`` actions, the env's ``A`` of its 32 dims (RLinf's pi0 RL scores these; the rest of the
+        chunk and the padding never reach the env)."""
+        return self._chunk(per_element)[:, :self.chunk_size, :self.action_dim].flatten(1)
+
     def noise_std(self, features: Features, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         tokens = self._chunk(x)
         time = time_features(t, TIME_FEATURES)[:, None, :].expand(*tokens.shape[:2], -1)
@@ -203,14 +213,16 @@ class PiPolicy(FlowMatchingPolicy):
 
     def demo_loss(self, obs: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """The flow-matching loss on demo chunks ``targets [B, chunk_size, A]``, normalised as the checkpoint's
-        actions, padded to the model's chunk and action size, at ``t ~ U(0.001, 1)`` (lerobot's pi0 training
-        draws ``t`` from ``Beta(1.5, 1) * 0.999 + 0.001`` instead)."""
+        actions, padded to the model's chunk and action size, at times drawn as pi0 trains (lerobot, openpi):
+        ``t ~ Beta(1.5, 1) * 0.999 + 0.001`` (a checkpoint's ``time_sampling_*`` where it sets them), which
+        weights the noisy end (``t`` near 1)."""
         if self.delta_actions:  # demos record absolute actions; the model predicts the offsets
             targets = targets - self._delta_offset(obs, targets)
         a = targets if self.action_norm is None else self.action_norm.normalize(targets)
         a = nn.functional.pad(pad_to(a, self.size.max_action_dim), (0, 0, 0, self.size.chunk_size - a.shape[1]))
         features, _ = self.heads(obs)
-        t = 0.001 + 0.999 * torch.rand(len(a), device=a.device)
+        alpha, beta, scale, offset = self.time_sampling
+        t = torch.distributions.Beta(alpha, beta).sample((len(a),)).to(a.device) * scale + offset
         loss = self.model.flow_loss(features.prefix, features.state, a, torch.randn_like(a), t)
         return {"loss": loss[:, :targets.shape[1], :self.action_dim].mean()}
 
