@@ -212,15 +212,31 @@ def config_groups() -> dict[str, list[str]]:
 GLOBAL_PACKAGE = "# @package _global_"
 
 
-def group_option(group: str, option: str) -> dict[str, DictConfig]:
+def group_option(group: str, option: str, inherited: bool = True) -> dict[str, DictConfig]:
     """``configs/<group>/<option>.yaml`` as the sections it sets: ``{group: its keys}``, or, for a file
     that starts with ``# @package _global_`` (a public checkpoint's policy config, which also sets the
-    env its authors ran), every section it names."""
+    env its authors ran), every section it names; with ``inherited``, on top of those of the option it
+    extends (:func:`group_option_parent`)."""
     path = CONFIG_DIR / group / f"{option}.yaml"
     raw = OmegaConf.load(path)
     if path.read_text().startswith(GLOBAL_PACKAGE):
-        return {str(section): raw[section] for section in raw}
-    return {group: raw}
+        own = {str(section): raw[section] for section in raw if section != "defaults"}
+    else:
+        own = {group: raw}
+    parent = group_option_parent(group, option) if inherited else None
+    if parent is None:
+        return own
+    sections = group_option(group, parent)
+    for section, settings in own.items():
+        sections[section] = OmegaConf.merge(sections.get(section, OmegaConf.create({})), settings)
+    return sections
+
+
+def group_option_parent(group: str, option: str) -> str | None:
+    """The option ``configs/<group>/<option>.yaml`` extends (its Hydra defaults list names a sibling), or None."""
+    raw = OmegaConf.load(CONFIG_DIR / group / f"{option}.yaml")
+    parents = [str(d) for d in raw.get("defaults", []) if str(d) != "_self_"]
+    return parents[0] if parents else None
 
 
 def unknown_key_error(dotted: str) -> UserError:

@@ -9,7 +9,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from embodied.config import CONFIG_DIR, TrainConfig, compose, config_groups, group_option
+from embodied.config import CONFIG_DIR, TrainConfig, compose, config_groups, group_option, group_option_parent
 from envs.common import UserError
 
 OPTIONS = [(group, option) for group, options in sorted(config_groups().items()) for option in options]
@@ -38,15 +38,18 @@ def _unknown_and_repeated(raw: dict, defaults: dict, where: str) -> tuple[list[s
 
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_a_group_option_only_holds_its_differences_from_the_defaults(group, option):
-    """Of every section it sets (a ``_global_`` policy config also sets the env its checkpoint needs)."""
-    sections = group_option(group, option)
+    """Of every section it sets (a ``_global_`` policy config also sets the env its checkpoint needs); an option
+    that extends another (pi0_3b_libero_rl: pi0_3b_libero_openpi) holds only how it differs from that one."""
+    sections = group_option(group, option, inherited=False)
     assert group in sections, f"{group}/{option}.yaml does not set its own section"
+    parent = group_option_parent(group, option)
+    baseline = compose([f"{group}={parent}"]) if parent else TrainConfig()
     for section, settings in sections.items():
         raw = OmegaConf.to_container(settings)
-        unknown, same = _unknown_and_repeated(raw, dataclasses.asdict(getattr(TrainConfig(), section)), section)
+        unknown, same = _unknown_and_repeated(raw, dataclasses.asdict(getattr(baseline, section)), section)
         assert not unknown, f"{group}/{option}.yaml sets keys the schema lacks: {unknown}"
         assert not same, (f"{group}/{option}.yaml repeats the defaults of {same}: drop them "
-                          "(embodied/config.py and embodied/policy_config.py have them)")
+                          f"({parent or 'embodied/config.py and embodied/policy_config.py'} has them)")
 
 
 def _numeric_keys(schema=TrainConfig, prefix: str = "") -> list[tuple[str, object]]:
@@ -191,3 +194,14 @@ def test_each_family_reads_its_own_section():
     assert {n for n, s in sections.items() if "vla" in s} == {"openvla", "openvla_oft", "qwen_vl", "pi0"}
     assert {n for n, s in sections.items() if "pi" in s} == {"pi0"}
     assert {s for names in sections.values() for s in names} == {"net", "vla", "flow", "pi"}
+
+
+def test_an_option_that_extends_another_brings_its_settings_to_a_saved_run():
+    """``embodied eval checkpoint=... policy=pi0_3b_libero_lora``: the option's own keys on top of the options it
+    extends (pi0_3b_libero_rl, pi0_3b_libero_openpi), as Hydra composes them for ``train``."""
+    from embodied.commands.common import config_from_saved
+
+    saved = OmegaConf.to_yaml(OmegaConf.structured(TrainConfig()))
+    cfg = config_from_saved(saved, ["policy=pi0_3b_libero_lora"])
+    assert cfg == compose(["policy=pi0_3b_libero_lora"])
+    assert cfg.policy.vla.lora_rank == 32 and cfg.policy.pi.delta_actions == 6 and cfg.env.image_size == 256

@@ -21,6 +21,7 @@ from tests.reference import ASSETS
 from tests.test_pi0_policy import _fixture_policy
 
 LIBERO_CONFIGS = ("pi05_3b_libero_lerobot", "pi05_3b_libero_openpi", "pi0_3b_libero_openpi")
+RL_CONFIGS = ("pi0_3b_libero_rl", "pi0_3b_libero_lora", "pi05_3b_libero_rl", "pi05_3b_libero_lora")
 
 
 def _as_openpi(tmp_path, name: str, stats_dir: str = "assets/physical-intelligence/libero"):
@@ -139,15 +140,17 @@ def test_lerobots_relative_actions_are_refused(tmp_path):
         check_policy_config(compose(_overrides(ckpt)).policy, 7)
 
 
-@pytest.mark.parametrize("name", LIBERO_CONFIGS)
+@pytest.mark.parametrize("name", LIBERO_CONFIGS + RL_CONFIGS)
 def test_a_libero_reference_config_refuses_other_images_and_names_its_checkpoint(name):
-    """Each config sets the env as its reference renders and resets it, and names the missing checkpoint."""
+    """Each config sets the env as its reference renders (and evaluates: resets) it, and names the missing
+    checkpoint; the RL configs train on soft resets what their evaluation config evaluates."""
     from embodied.checks import _check_camera_is_the_trained_one as check_camera_images
 
     cfg = compose(["env=libero_spatial", f"policy={name}"])
     check_camera_images(cfg)
     with pytest.raises(UserError, match="env.image_size"):
         check_camera_images(compose(["env=libero_spatial", f"policy={name}", "env.image_size=128"]))
-    assert cfg.env.protocol in ("lerobot", "openpi") and cfg.policy.vla.dtype == "bfloat16"
+    assert cfg.policy.vla.dtype == "bfloat16"
+    assert cfg.env.protocol == "default" if name in RL_CONFIGS else cfg.env.protocol in ("lerobot", "openpi")
     with pytest.raises(UserError, match="no config.json there"):
         check_policy_config(cfg.policy, 7)

@@ -212,3 +212,39 @@ def test_demo_loss_draws_times_as_pi0_trains(monkeypatch):
         policy.demo_loss(obs, torch.zeros(400, 4, 4))
     t = drawn[0]
     assert 0.001 <= t.min() and t.max() <= 1.0 and abs(t.mean().item() - 0.6004) < 0.04
+
+
+def test_pi0s_value_reads_the_expert_and_trains_the_head_alone(monkeypatch):
+    """pi0: the value head reads the expert (which sees the state token), detached: the value loss moves the
+    head, not the expert; pi0.5: the VLM's pooled output (its expert sees no state)."""
+    policy, obs, _, _ = _fixture_policy("pi0_tiny", monkeypatch)
+    value = policy.value(obs)
+    value.sum().backward()
+    assert policy.critic[0].weight.grad is not None and policy.critic[0].weight.shape[1] == policy.size.expert.width
+    assert all(p.grad is None for p in policy.model.expert.parameters())
+    moved = dict(obs, state=obs["state"] + 1.0)
+    with torch.no_grad():
+        assert not torch.allclose(policy.value(moved), value)
+    pi05, _, _, _ = _fixture_policy("pi05_tiny", monkeypatch)
+    assert pi05.critic[0].weight.shape[1] == pi05.size.vlm.width
+
+
+def test_lora_adapts_the_vlm_and_trains_the_expert_whole(monkeypatch):
+    """policy.vla.lora_rank: adapters in the VLM (zero at first: lerobot's actions unchanged), its own weights
+    frozen; the expert trains whole; with flow.train=expert (the VLM frozen) it is refused."""
+    policy, obs, ref, _ = _fixture_policy("pi0_tiny", monkeypatch, **{"policy.vla.lora_rank": 4})
+    lora = {n: p for n, p in policy.model.vlm.named_parameters() if "lora_" in n}
+    assert lora and all(p.requires_grad for p in lora.values())
+    assert any("vision_tower" in n for n in lora) and any("language_model" in n for n in lora)
+    assert not any(p.requires_grad for n, p in policy.model.vlm.named_parameters() if "lora_" not in n)
+    assert all(p.requires_grad for p in policy.model.expert.parameters())
+    noise = torch.zeros(len(ref["state"]), policy.noise_dim)
+    noise[:, :policy.width] = torch.from_numpy(ref["noise"]).flatten(1)
+    with torch.no_grad():
+        actions = policy.to_env(policy.act(obs, deterministic=True, noise=noise)[0])
+    torch.testing.assert_close(actions, torch.from_numpy(ref["actions"][:, :5]), rtol=1e-5, atol=1e-5)
+    policy.demo_loss(obs, torch.from_numpy(ref["actions"][:, :5]))["loss"].backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)
+    with pytest.raises(UserError, match="Pick one"):
+        check_policy_config(compose(["policy=pi0_tiny", "policy.vla.lora_rank=4", "policy.flow.train=expert"]).policy,
+                            8)

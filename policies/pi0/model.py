@@ -233,6 +233,11 @@ class PiZero(nn.Module):
 
     def velocity(self, prefix: Prefix, state: torch.Tensor | None, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """``v [B, H, 32]`` at ``x_t [B, H, 32]``, time ``t [B]``, given the prefix's keys and values."""
+        return self.action_out_proj(self.expert_output(prefix, state, x_t, t).float())
+
+    def expert_output(self, prefix: Prefix, state: torch.Tensor | None, x_t: torch.Tensor, t: torch.Tensor
+                      ) -> torch.Tensor:
+        """The expert's output over the ``H`` action tokens ``[B, H, E]`` (final norm applied)."""
         suffix, blocks, cond = self.embed_suffix(state, x_t, t)
         b, s, p = suffix.shape[0], suffix.shape[1], prefix.pad.shape[1]
         own = attention_mask_2d(torch.ones(b, s, dtype=torch.bool, device=suffix.device),
@@ -240,7 +245,7 @@ class PiZero(nn.Module):
         mask = additive(torch.cat([prefix.pad[:, None, :].expand(b, s, p), own], dim=2))
         positions = prefix.pad.sum(-1)[:, None] + torch.arange(s, device=suffix.device)[None]
         out = self.expert(suffix.to(self.stack_dtype), positions, mask, prefix.kv, cond)
-        return self.action_out_proj(out[:, -x_t.shape[1]:].float())
+        return out[:, -x_t.shape[1]:]
 
     # -- sampling and the flow-matching loss ------------------------------------------------------------
     @torch.no_grad()

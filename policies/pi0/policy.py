@@ -12,8 +12,11 @@ re-scores it, evaluation runs the checkpoint's Euler ODE.
   chunk, 32 its padded action size), so sampling from the same noise is the reference's; the env
   executes the first ``policy.chunk_size`` actions of it, cropped to the env's action size and
   un-normalised with the checkpoint's statistics;
-- value: a linear head on the mean of the VLM's output over the real prefix tokens; Flow-Noise's
-  std: a linear head on each action token's ``x_t`` and the time.
+- value (RLinf's placement): an MLP on the mean of the expert's output over the action tokens (pi0: the
+  expert reads the prefix and the state token; run once at ``t = 1`` from the noise's mean, 0, so the value
+  is the observation's alone) or of the VLM's output over the real prefix tokens (pi0.5, whose expert sees
+  no state); the expert's reading is detached, so the value loss trains the head alone, as RLinf's
+  ``detach_critic_input``; Flow-Noise's std: a linear head on each action token's ``x_t`` and the time.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from envs.common import UserError
-from policies.base import POLICIES, changed_settings, layer_init, rowwise_exact
+from policies.base import POLICIES, changed_settings, layer_init, mlp, rowwise_exact
 from policies.flow_policy import FlowMatchingPolicy, time_features
 from policies.pi0.checkpoint import PiCheckpoint, read_checkpoint
 from policies.pi0.inputs import Normalizer, pad_to, pi0_prompt, pi05_prompt, pil_resize_with_pad, vision_input
@@ -70,6 +73,8 @@ class PiPolicy(FlowMatchingPolicy):
             self.model.use_bfloat16()
         if ckpt is not None:
             self.model.load_state_dict(ckpt.tensors(), strict=True)
+        if cfg.vla.lora_rank:  # after loading: the adapters rename the layers they wrap
+            add_vlm_lora(self.model.vlm, cfg.vla.lora_rank)
         self.state_norm, self.action_norm = _normalizers(ckpt, obs_spec, action_dim)
         self.cameras, self.instruction = list(cfg.vla.cameras), cfg.vla.instruction
         self.mirror = cfg.vla.mirror_images  # LIBERO checkpoints: frames rotated 180 degrees from upright
@@ -79,8 +84,9 @@ class PiPolicy(FlowMatchingPolicy):
         config = ckpt.config if ckpt else {}
         self.time_sampling = tuple(float(config.get(f"time_sampling_{k}", d)) for k, d in TIME_SAMPLING.items())
         self.max_tokens = cfg.pi.max_tokens or config.get("tokenizer_max_length", 48)
-        width = self.size.vlm.width
-        self.critic = layer_init(nn.Linear(width, 1), gain=1.0)
+        width = self.size.vlm.width if self.size.pi05 else self.size.expert.width
+        # RLinf's value MLP for pi0 / pi0.5: width -> width/2 -> width/4 -> width/8 -> 1, ReLU between
+        self.critic = mlp([width, width // 2, width // 4, width // 8, 1], "relu", out_gain=1.0)
         self.noise_head = layer_init(nn.Linear(self.size.max_action_dim + TIME_FEATURES, self.size.max_action_dim),
                                      gain=0.01) if cfg.flow.method == "noise" else None
         self.freeze_trunk(cfg.flow.train)
@@ -97,6 +103,10 @@ class PiPolicy(FlowMatchingPolicy):
         if action_dim is not None and cfg.pi.delta_actions > action_dim:
             raise UserError(f"policy.pi.delta_actions={cfg.pi.delta_actions}, but this env's actions have {action_dim} "
                             "dims: name how many leading dims are offsets from the state (openpi's pi0_libero: 6).")
+        if cfg.vla.lora_rank and cfg.flow.train == "expert":
+            raise UserError(f"policy.vla.lora_rank={cfg.vla.lora_rank} adapts the VLM, which policy.flow.train=expert "
+                            "freezes. Pick one: LoRA in the VLM and the expert whole (flow.train=all), or the expert "
+                            "alone (lora_rank=0).")
         unread = changed_settings(cfg.vla, "vla", skip=READ_VLA_KEYS)
         if unread:
             raise UserError(f"policy=pi0 does not read {', '.join(unread)} (OpenVLA / OFT settings): the checkpoint's "
@@ -172,8 +182,19 @@ class PiPolicy(FlowMatchingPolicy):
             state = self.state_norm.normalize(state)
         tokens, token_masks = self._tokens(self._prompts(obs, state), first.device)
         prefix = self.model.prefix(images, masks, tokens, token_masks)
-        padded = None if self.size.pi05 else pad_to(state, self.size.max_state_dim)
-        return Features(prefix, padded), self.critic(prefix.pooled()).squeeze(-1)
+        features = Features(prefix, None if self.size.pi05 else pad_to(state, self.size.max_state_dim))
+        return features, self.critic(self._critic_input(features)).squeeze(-1)
+
+    def _critic_input(self, features: Features) -> torch.Tensor:
+        """``[B, W]``: pi0.5 the VLM's pooled output; pi0 the expert's mean over its action tokens at ``t = 1``
+        from ``x = 0``, without gradients."""
+        if self.size.pi05:
+            return features.prefix.pooled()
+        b, h = len(features.prefix.pad), self.size.chunk_size
+        x = torch.zeros(b, h, self.size.max_action_dim, device=features.prefix.pad.device)
+        with torch.no_grad():
+            return self.model.expert_output(features.prefix, features.state, x, torch.ones(b, device=x.device)
+                                            ).float().mean(1)
 
     # -- the chain -----------------------------------------------------------------------------------
     def _chunk(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +249,21 @@ class PiPolicy(FlowMatchingPolicy):
 
 
 # policy.vla keys that pi0 reads; the rest are other VLA families' and must keep their defaults
-READ_VLA_KEYS = ("model_path", "dtype", "instruction", "cameras", "mirror_images", "camera_size", "camera_rendering")
+READ_VLA_KEYS = ("model_path", "dtype", "instruction", "cameras", "mirror_images", "camera_size", "camera_rendering",
+                 "lora_rank")
+# LoRA in the VLM as RLinf adapts pi0's PaliGemma: Gemma's attention and MLP, SigLIP's attention and MLP
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "out_proj", "fc1", "fc2"]
+
+
+def add_vlm_lora(vlm: nn.Module, rank: int) -> None:
+    """LoRA adapters (rank ``rank``, alpha = rank, RLinf's) in the VLM, whose own weights freeze; the expert,
+    the action and time projections and the heads train whole."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS), vlm)
+    for name, param in vlm.named_parameters():
+        param.requires_grad = "lora_" in name
+
 
 
 
