@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
 STATE_BINS = 256  # pi0.5's prompt: the normalised state in [-1, 1] as bin indices 0 .. 255
@@ -44,8 +45,6 @@ def pil_resize_with_pad(frames: torch.Tensor, size: int) -> torch.Tensor:
     h, w = frames.shape[1:3]
     if (h, w) == (size, size):
         return frames
-    from PIL import Image
-
     ratio = max(w / size, h / size)
     new_w, new_h = int(w / ratio), int(h / ratio)
     top, left = (size - new_h) // 2, (size - new_w) // 2
