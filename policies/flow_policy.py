@@ -185,9 +185,14 @@ class FlowMatchingPolicy(Policy):
     def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.heads(obs)[1]
 
+    def ode_times(self, steps: int) -> torch.Tensor:
+        """``[steps + 1]``: the times evaluation's Euler steps visit (a checkpoint's sampler may drift from
+        the exact grid: pi0's openpi checkpoints)."""
+        return time_grid(steps)
+
     def ode_chain(self, features: torch.Tensor, x0: torch.Tensor, steps: int) -> torch.Tensor:
         """Plain Euler integration from ``x0 [B, D]``: the chain ``[B, steps + 1, D]``."""
-        grid, chain, x = time_grid(steps).to(x0.device), [x0], x0
+        grid, chain, x = self.ode_times(steps).to(x0.device), [x0], x0
         for k in range(steps):
             x = ode_mean(x, self.velocity(features, x, grid[k].expand(len(x))), 1.0 / steps)
             chain.append(x)

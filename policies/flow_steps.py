@@ -33,6 +33,16 @@ def time_grid(steps: int) -> torch.Tensor:
     return 1.0 - torch.arange(steps + 1, dtype=torch.float64).float() / steps
 
 
+def accumulated_time_grid(steps: int) -> torch.Tensor:
+    """``[steps + 1]`` from 1 to about 0 as openpi's sampler visits them: ``t += -1 / steps`` in float32, which
+    drifts from :func:`time_grid` by up to one float32 step (0.79999995 for 0.8)."""
+    t, dt, grid = torch.tensor(1.0), torch.tensor(-1.0 / steps), [torch.tensor(1.0)]
+    for _ in range(steps):
+        t = t + dt
+        grid.append(t)
+    return torch.stack(grid)
+
+
 def ode_mean(x: torch.Tensor, v: torch.Tensor, delta: float) -> torch.Tensor:
     """The Euler step from ``t`` to ``t - delta``: ``x - delta * v``."""
     return x - delta * v

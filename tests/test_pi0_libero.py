@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from embodied.config import compose
 from envs.common import UserError
+from policies.flow_steps import accumulated_time_grid, time_grid
 from policies.pi0.inputs import pil_resize_with_pad, resize_with_pad
 from policies.registry import check_policy_config
 from tests.reference import ASSETS
@@ -56,6 +57,9 @@ def test_an_openpi_checkpoint_acts_as_the_same_network_in_lerobots_layout(name, 
     assert openpi.size == lerobot.size and openpi.empty_cameras == 1 and lerobot.empty_cameras == 0
     assert openpi.action_norm.convention == "openpi" and openpi.action_norm.eps == 1e-6
     assert openpi.action_norm.mode == ("quantiles" if name == "pi05_tiny" else "mean_std")
+    # evaluated at the times openpi's sampler visits (tests/test_pi0_parity.py: openpi's own model)
+    assert torch.equal(openpi.ode_times(10), accumulated_time_grid(10)) and torch.equal(lerobot.ode_times(10),
+                                                                                       time_grid(10))
     noise = torch.zeros(len(ref["state"]), lerobot.noise_dim)
     noise[:, :lerobot.width] = torch.from_numpy(ref["noise"]).flatten(1)
     with torch.no_grad():

@@ -1,7 +1,10 @@
 """pi0 / pi0.5 against lerobot 0.6.1, on tiny random-weight checkpoints lerobot itself built and ran
 (assets/reference/pi0*_tiny*, benchmarks/reference/make_pi0_fixtures.sh): given the same inputs and
 noise, our images, prompts, normalised states, prefix keys and values, every Euler step's velocity,
-the action chunk, the un-normalised actions and the flow-matching loss equal theirs (fp32, 1e-5)."""
+the action chunk, the un-normalised actions and the flow-matching loss equal theirs (fp32, 1e-5); in
+bfloat16, the same parameters in each dtype and each step's velocity. Against openpi's own PyTorch
+model too (assets/reference/openpi_pi0*_tiny, benchmarks/reference/make_openpi_fixtures.sh), read in
+openpi's checkpoint layout."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from policies.flow_steps import accumulated_time_grid
 from policies.pi0.checkpoint import our_names, read_checkpoint
 from policies.pi0.inputs import pad_to, pi0_prompt, pi05_prompt, vision_input
 from policies.pi0.model import PiZero, Prefix
@@ -152,3 +156,36 @@ def test_bfloat16_runs_as_lerobots_mixed_precision(name):
         assert v.dtype == torch.float32
         _close(v, ref["step_v"][k], f"bfloat16 velocity at step {k}")
         x = torch.from_numpy(ref["step_x_out"][k])
+
+
+# -- openpi's own PyTorch model (benchmarks/reference/make_openpi_fixtures.sh) -----------------------------------
+@pytest.mark.parametrize("name", ["openpi_pi0_tiny", "openpi_pi05_tiny"])
+@torch.no_grad()
+def test_an_openpi_checkpoint_computes_what_openpis_model_does(name):
+    """A tiny checkpoint openpi's PI0Pytorch built and ran, read in openpi's layout: our images, normalised state
+    (openpi's eps), prefix embeddings and pad masks (the right wrist slot masked), every Euler step's velocity
+    from openpi's own inputs, and the chunk at the times openpi's sampler visits (float32 ``t += dt``; on the
+    exact grid the chunk drifts by ~5e-5) equal openpi's."""
+    ckpt = read_checkpoint(ASSETS / name, vision_head_dim=16)
+    assert ckpt.layout == "openpi" and ckpt.size.pi05 == (name == "openpi_pi05_tiny")
+    model = PiZero(ckpt.size).eval()
+    model.load_state_dict(ckpt.tensors(), strict=True)
+    ref = dict(np.load(ASSETS / f"{name}_outputs.npz"))
+    frames = torch.from_numpy(ref["frames_u8"]).permute(0, 1, 4, 2, 3).float() / 255
+    images = [vision_input(f, 224) for f in frames]
+    _close(torch.stack(images), ref["images"], "images")
+    state = pad_to(ckpt.state.normalize(torch.from_numpy(ref["state_raw"])), 32)
+    _close(state, ref["state"], "normalised state")
+    masks = [torch.from_numpy(m) for m in ref["image_masks"]]
+    tokens, token_masks = torch.from_numpy(ref["tokens"]), torch.from_numpy(ref["token_mask"])
+    embs, pad = model.embed_prefix(images, masks, tokens, token_masks)
+    _close(embs, ref["prefix_embs"], "prefix embeddings")
+    assert torch.equal(pad, torch.from_numpy(ref["prefix_pad_masks"]))
+    prefix = model.prefix(images, masks, tokens, token_masks)
+    padded_state = None if ckpt.size.pi05 else state
+    for k in range(len(ref["step_t"])):
+        v = model.velocity(prefix, padded_state, torch.from_numpy(ref["step_x"][k]), torch.from_numpy(ref["step_t"][k]))
+        _close(v, ref["step_v"][k], f"velocity at step {k}")
+    chunk = model.sample(prefix, padded_state, torch.from_numpy(ref["noise"]), 10, times=accumulated_time_grid(10))
+    _close(chunk, ref["actions"], "action chunk")
+    assert (model.sample(prefix, padded_state, torch.from_numpy(ref["noise"]), 10) - chunk).abs().max() > 1e-5

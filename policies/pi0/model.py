@@ -249,10 +249,11 @@ class PiZero(nn.Module):
 
     # -- sampling and the flow-matching loss ------------------------------------------------------------
     @torch.no_grad()
-    def sample(self, prefix: Prefix, state: torch.Tensor | None, noise: torch.Tensor, steps: int = 10
-               ) -> torch.Tensor:
-        """The chunk ``[B, H, 32]``: ``steps`` Euler steps of the ODE from ``noise`` (at ``t = 1``)."""
-        x, grid = noise, time_grid(steps).to(noise.device)
+    def sample(self, prefix: Prefix, state: torch.Tensor | None, noise: torch.Tensor, steps: int = 10,
+               times: torch.Tensor | None = None) -> torch.Tensor:
+        """The chunk ``[B, H, 32]``: ``steps`` Euler steps of the ODE from ``noise`` (at ``t = 1``), at ``times``
+        (``[steps + 1]``; default :func:`~policies.flow_steps.time_grid`)."""
+        x, grid = noise, (time_grid(steps) if times is None else times).to(noise.device)
         for k in range(steps):
             x = ode_mean(x, self.velocity(prefix, state, x, grid[k].expand(len(x))), 1.0 / steps)
         return x

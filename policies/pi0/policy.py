@@ -27,6 +27,7 @@ from torch import nn
 from envs.common import UserError
 from policies.base import POLICIES, changed_settings, layer_init, mlp, rowwise_exact
 from policies.flow_policy import FlowMatchingPolicy, time_features
+from policies.flow_steps import accumulated_time_grid
 from policies.pi0.checkpoint import PiCheckpoint, read_checkpoint
 from policies.pi0.inputs import Normalizer, pad_to, pi0_prompt, pi05_prompt, pil_resize_with_pad, vision_input
 from policies.pi0.model import PiSize, PiZero, Prefix, VisionSize
@@ -79,6 +80,7 @@ class PiPolicy(FlowMatchingPolicy):
         self.cameras, self.instruction = list(cfg.vla.cameras), cfg.vla.instruction
         self.mirror = cfg.vla.mirror_images  # LIBERO checkpoints: frames rotated 180 degrees from upright
         self.empty_cameras = ckpt.empty_cameras(len(self.cameras)) if ckpt else 0
+        self.layout = ckpt.layout if ckpt else None
         self.state_prompt, self.resize, self.delta_actions = cfg.pi.state_prompt, cfg.pi.resize, cfg.pi.delta_actions
         self.tokenizer = _tokenizer(cfg.pi.tokenizer_path, ckpt)
         config = ckpt.config if ckpt else {}
@@ -202,6 +204,11 @@ class PiPolicy(FlowMatchingPolicy):
 
     def velocity(self, features: Features, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.model.velocity(features.prefix, features.state, self._chunk(x), t).flatten(1)
+
+    def ode_times(self, steps: int) -> torch.Tensor:
+        """openpi's checkpoints are evaluated at the times openpi's sampler visits (float32 accumulation), lerobot's
+        on the exact grid (which lerobot's matches to 1e-5)."""
+        return accumulated_time_grid(steps) if self.layout == "openpi" else super().ode_times(steps)
 
     def scored(self, per_element: torch.Tensor) -> torch.Tensor:
         """The executed actions' share of the chain, ``[B, chunk_size * A]``: the first ``chunk_size`` of the
