@@ -53,6 +53,9 @@ class Policy(nn.Module):
     # methods the workers call instead of forward(): a sharded (FSDP) policy gathers its parameters around each
     forward_methods: tuple[str, ...] = ("act", "evaluate", "value")
     noise_dim: int  # randomness per sample that act() consumes
+    # where its checkpoints come from (said when policy.vla.model_path is not one): a Hugging Face id, or words
+    hub_id: str | None = None
+    checkpoint_sources: str = ""
 
     @classmethod
     def check_config(cls, cfg, action_dim: int | None) -> list[str]:

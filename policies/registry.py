@@ -44,7 +44,8 @@ def check_policy_config(policy_cfg, action_dim: int | None = None) -> list[str]:
     if policy_cfg.vla.model_path:
         from policies.vla.policy import require_model_dir
 
-        require_model_dir(policy_cfg.vla.model_path, "the model")
+        family = POLICIES.get(policy_cfg.name)
+        require_model_dir(policy_cfg.vla.model_path, family.hub_id, family.checkpoint_sources)
     return POLICIES.get(policy_cfg.name).check_config(policy_cfg, action_dim)
 
 

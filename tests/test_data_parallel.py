@@ -89,6 +89,8 @@ def _update(ray, actors: list, batch: Trajectory) -> tuple[dict, dict]:
 
 CASES = {
     "ppo-mlp": ([], STATE_SPEC, 6, 8, False),
+    # pi0 sharded by decoder layer (both Gemma stacks, SigLIP); Flow-SDE's chain re-scored on each rank
+    "ppo-pi0": (["policy=pi0_tiny", "policy.chunk_size=2", "algorithm.num_minibatches=2"], VLA_SPEC, 2, 4, False),
     "grpo-vla-lora": (["algorithm=grpo", "policy=openvla_tiny", "policy.vla.image_size=32", "policy.vla.lora_rank=4",
                        "policy.vla.instruction=push", "algorithm.kl_coef=0.05", "algorithm.group_size=2",
                        "algorithm.num_minibatches=3"], VLA_SPEC, 4, 4, True),

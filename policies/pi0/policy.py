@@ -31,7 +31,7 @@ from policies.flow_steps import accumulated_time_grid
 from policies.pi0.checkpoint import PiCheckpoint, read_checkpoint
 from policies.pi0.inputs import Normalizer, pad_to, pi0_prompt, pi05_prompt, pil_resize_with_pad, vision_input
 from policies.pi0.model import PiSize, PiZero, Prefix, VisionSize
-from policies.pi0.transformer import StackSize
+from policies.pi0.transformer import DecoderLayer, StackSize
 from policies.vla.processor import byte_tokenizer
 
 VARIANTS = ("pi0", "pi05")
@@ -61,6 +61,11 @@ class Features:
 @POLICIES.register("pi0")
 class PiPolicy(FlowMatchingPolicy):
     config_sections = ("vla", "flow", "pi")
+    checkpoint_sources = (" pi0 / pi0.5: lerobot's are on the Hugging Face hub (lerobot/pi05_libero_finetuned, "
+                          "lerobot/pi0_libero, ...), RLinf's too (RLinf/RLinf-Pi0-LIBERO-*-SFT); openpi's "
+                          "(gs://openpi-assets/checkpoints/pi0_libero, pi05_libero) are converted by openpi's "
+                          "examples/convert_jax_model_to_pytorch.py, with assets/<asset_id>/norm_stats.json copied "
+                          "beside the weights.")
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
@@ -142,6 +147,10 @@ class PiPolicy(FlowMatchingPolicy):
                             f"{sorted(obs_spec)}). Name its camera images, e.g. env.obs_mode=rgb.")
         if cfg.vla.model_path:
             check_env_sizes(_read(cfg), obs_spec, action_dim)
+
+    def shard_units(self) -> list[nn.Module]:
+        """FSDP's units: every decoder layer of the two Gemma stacks and of SigLIP."""
+        return [m for m in self.modules() if isinstance(m, DecoderLayer) or type(m).__name__ == "SiglipEncoderLayer"]
 
     def freeze_trunk(self, train: str) -> None:
         """``policy.flow.train=expert``: the VLM (vision tower, projector, language model) keeps its weights."""

@@ -169,12 +169,14 @@ class TokenVLAPolicy(TokenActionPolicy):
             block = stats.to_dict(NORMALIZATIONS[self.normalization])
             (Path(path) / STATS_FILE).write_text(json.dumps({key: {"action": block}}, indent=1))
 
-def require_model_dir(path: str, hub_id: str) -> None:
-    """A clear error for a ``policy.vla.model_path`` that is not a saved model directory."""
+def require_model_dir(path: str, hub_id: str | None = None, where: str = "") -> None:
+    """A clear error for a ``policy.vla.model_path`` that is not a saved model directory: how to fetch
+    ``hub_id`` (a Hugging Face id), or ``where`` the policy's checkpoints come from."""
     if not (Path(path) / "config.json").exists():
+        fetch = (f"fetch {hub_id} on a machine with internet (`huggingface-cli download {hub_id} --local-dir {path}`)"
+                 if hub_id else "fetch the model on a machine with internet")
         raise UserError(f"policy.vla.model_path={path} is not a model directory (no config.json there). Nothing is "
-                        f"downloaded at run time: fetch {hub_id} on a machine with internet (`huggingface-cli "
-                        f"download {hub_id} --local-dir {path}`), copy it here, or use a *_tiny policy config.")
+                        f"downloaded at run time: {fetch}, copy it here, or use a *_tiny policy config.{where}")
 
 
 @contextmanager
@@ -287,6 +289,7 @@ class OpenVLACheckpoint:
 class OpenVLAPolicy(TokenVLAPolicy):
     """OpenVLA: action bins are the last ``n_action_bins`` ids of the vocabulary before its padding."""
 
+    hub_id = "openvla/openvla-7b"
     normalizations = ("bounds_q99",)  # upstream OpenVLA's predict_action un-normalises with q01 / q99 only
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):

@@ -80,6 +80,7 @@ def tiny_tokenizer():
 class QwenVLPolicy(TokenVLAPolicy):
     """Qwen2.5-VL with added action tokens ``<|action_0|> .. <|action_255|>``."""
 
+    hub_id = "Qwen/Qwen2.5-VL-3B-Instruct"
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
         require_images(obs_spec, "qwen_vl")
