@@ -96,10 +96,12 @@ CASES = {
                        "algorithm.num_minibatches=3"], VLA_SPEC, 4, 4, True),
 }
 
+SLOW_CASES = ("ppo-pi0",)  # 37 s
+
 
 # replicate is the simpler strategy (a gradient all-reduce); the default run checks FSDP, which shards too
 @pytest.mark.parametrize("strategy", [pytest.param("replicate", marks=pytest.mark.slow), "fsdp"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_one_update_on_two_ranks_gives_the_weights_of_one_rank(ray_cluster, case: str, strategy: str):
     import ray
 

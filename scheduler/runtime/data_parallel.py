@@ -164,8 +164,10 @@ class DataParallel:
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        # strict=False: a trainable parameter no loss reaches has no Adam state to load (pi0's last VLM layer
+        # beyond its keys and values), as on one rank
         set_optimizer_state_dict(module, optimizer, _by_name(state, optimizer, module),
-                                 options=StateDictOptions(full_state_dict=True))
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def _parameter_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
