@@ -4,6 +4,7 @@ sharded with FSDP2, for PPO on the MLP and GRPO on the tiny VLA with LoRA and a 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -194,3 +195,28 @@ def test_a_run_on_two_fsdp_ranks_trains_as_one_rank_and_its_checkpoint_loads_on_
     moments = state_two["optimizer"]["state"]
     assert moments and all(torch.equal(loaded["optimizer"]["state"][i]["exp_avg"], moments[i]["exp_avg"])
                            for i in moments)
+
+
+@pytest.mark.slow  # 30 s
+def test_pi0_in_bfloat16_trains_on_two_fsdp_ranks(ray_cluster):
+    """FSDP gathers each unit in one dtype: pi0's bfloat16 layers with float32 norms are sharded part by part
+    (a whole layer would be refused), and the update keeps each parameter's dtype."""
+    import ray
+
+    from policies.registry import make_policy
+
+    cfg = compose(["policy=pi0_tiny", "policy.chunk_size=2", "algorithm.num_minibatches=2", "policy.vla.dtype=bfloat16",
+                   "algorithm.update_epochs=1"])
+    torch.manual_seed(0)
+    policy = make_policy(cfg.policy, VLA_SPEC, 4).eval()
+    batch = _trajectory(policy, VLA_SPEC, 2, 4, False)
+    two = _actors(ray, cfg, VLA_SPEC, 2, "fsdp")
+    try:
+        start = {k: v.clone() for k, v in ray.get([a.get_weights.remote() for a in two])[0].items()}  # FSDP: all
+        stats, after = _update(ray, two, batch)
+    finally:
+        for actor in two:
+            ray.kill(actor)
+    assert np.isfinite(stats["policy_loss"]) and {k: v.dtype for k, v in after.items()} == {
+        k: v.dtype for k, v in policy.state_dict().items()}
+    assert any(not torch.equal(after[k], start[k]) for k in start if "gemma_expert" in k)

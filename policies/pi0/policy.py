@@ -149,8 +149,14 @@ class PiPolicy(FlowMatchingPolicy):
             check_env_sizes(_read(cfg), obs_spec, action_dim)
 
     def shard_units(self) -> list[nn.Module]:
-        """FSDP's units: every decoder layer of the two Gemma stacks and of SigLIP."""
-        return [m for m in self.modules() if isinstance(m, DecoderLayer) or type(m).__name__ == "SiglipEncoderLayer"]
+        """FSDP's units: every decoder layer of the two Gemma stacks and of SigLIP. FSDP gathers a unit in one
+        dtype, so in bfloat16 (float32 norms inside bfloat16 layers) a layer's parts are the units (the
+        attention's projections one by one: their module is never called itself), and the bfloat16 token
+        embedding is one (the rest, the root's, is float32)."""
+        layers = [m for m in self.modules() if isinstance(m, DecoderLayer) or type(m).__name__ == "SiglipEncoderLayer"]
+        units = [part for layer in layers for part in ([layer] if _one_dtype(layer) else _parts(layer))]
+        embed = self.model.vlm.model.language_model.embed_tokens
+        return units + ([embed] if embed.weight.dtype != self.model.action_in_proj.weight.dtype else [])
 
     def freeze_trunk(self, train: str) -> None:
         """``policy.flow.train=expert``: the VLM (vision tower, projector, language model) keeps its weights."""
@@ -281,6 +287,14 @@ def add_vlm_lora(vlm: nn.Module, rank: int) -> None:
         param.requires_grad = "lora_" in name
 
 
+
+
+def _one_dtype(module: nn.Module) -> bool:
+    return len({p.dtype for p in module.parameters()}) == 1
+
+
+def _parts(layer: DecoderLayer) -> list[nn.Module]:
+    return [*layer.self_attn.children(), layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
 
 
 def check_env_sizes(ckpt: PiCheckpoint, obs_spec: dict | None, action_dim: int | None) -> None:
