@@ -73,6 +73,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pi0_fixtures import randomize  # this directory's: the same weight draw as the lerobot fixtures
 
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 ASSET_ID = "physical-intelligence/libero"
@@ -221,18 +222,6 @@ def model_config(shape: Shape) -> types.SimpleNamespace:
     return types.SimpleNamespace(pi05=shape.pi05, paligemma_variant=VARIANTS[0], action_expert_variant=VARIANTS[1],
                                  dtype="float32", action_dim=shape.action_dim, action_horizon=shape.action_horizon,
                                  max_token_len=shape.max_token_len, pytorch_compile_mode=None)
-
-
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    """In place (tied parameters stay tied: ``named_parameters`` lists each once)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in module.named_parameters():
-            if p.ndim == 1:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = int(np.prod(p.shape[1:]))
-                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
 
 
 def norm_stats(rng: np.random.Generator, shape: Shape) -> dict:
