@@ -287,8 +287,6 @@ def add_vlm_lora(vlm: nn.Module, rank: int) -> None:
         param.requires_grad = "lora_" in name
 
 
-
-
 def _one_dtype(module: nn.Module) -> bool:
     return len({p.dtype for p in module.parameters()}) == 1
 
