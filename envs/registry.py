@@ -57,7 +57,7 @@ ENV_OBS_KEYS: dict[str, Callable] = {}
 
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
-_BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero"})
+_BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero", "gym": "envs.gym_env"})
 
 
 def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None,
