@@ -44,20 +44,22 @@ class GymSpec:
     max_episode_steps: int | None
 
 
-def _make(task: str):
+def _make(task: str, max_episode_steps: int | None):
+    """``gymnasium.make``; ``max_episode_steps`` (env.max_episode_steps) replaces the id's time limit."""
     import gymnasium as gym
 
+    limit = {} if max_episode_steps is None else {"max_episode_steps": max_episode_steps}
     try:
-        return gym.make(task, render_mode="rgb_array")
+        return gym.make(task, render_mode="rgb_array", **limit)
     except TypeError:  # an env without render_mode: it simply cannot record videos
-        return gym.make(task)
+        return gym.make(task, **limit)
 
 
 class GymEnv:
     """One gymnasium env behind :class:`~envs.subproc_child.SingleEnv` (the contract: module doc)."""
 
     def __init__(self, spec: GymSpec):
-        self.env = _make(spec.task)
+        self.env = _make(spec.task, spec.max_episode_steps)
         space = self.env.action_space
         if len(getattr(space, "shape", None) or ()) != 1:
             raise UserError(f"env.task={spec.task}: its action space is {space}, and the suite's policies act in a "

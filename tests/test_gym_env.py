@@ -57,10 +57,14 @@ def test_bad_gymnasium_envs_are_refused_with_the_fix():
 
 
 def test_a_built_in_box_env_is_a_state_env():
-    env = GymEnv(GymSpec("Pendulum-v1", 50))
+    """Pendulum-v1 (registered with 200 steps) under env.max_episode_steps=250: gymnasium's own time limit moves
+    too, so the episode is truncated at 250, not 200."""
+    env = GymEnv(GymSpec("Pendulum-v1", 250))
     try:
         first = env.reset(7)
-        assert set(first) == {"state"} and first["state"].dtype == np.float32 and env.max_episode_steps == 50
+        assert set(first) == {"state"} and first["state"].dtype == np.float32 and env.max_episode_steps == 250
         np.testing.assert_array_equal(env.reset(7)["state"], first["state"])
+        truncated = [env.step(np.zeros(1))[3] for _ in range(250)]
+        assert not any(truncated[:-1]) and truncated[-1]
     finally:
         env.close()
