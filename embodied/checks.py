@@ -9,7 +9,7 @@ from embodied.algorithms.base import BOOTSTRAP_MASKS
 from embodied.algorithms.registry import make_algorithm
 from embodied.config import TrainConfig
 from envs.common import UserError, unknown_name_error
-from envs.registry import check_env_config, env_action_dim, env_obs_keys, seed_scheme
+from envs.registry import check_env_config, env_action_dim, env_obs_keys, env_render_problem, seed_scheme
 from policies.registry import check_policy_config, check_policy_observations
 from scheduler.placement import check_placement
 from scheduler.runtime.data_parallel import resolve_strategy
@@ -30,7 +30,21 @@ def check_run_config(cfg: TrainConfig, rollout_only: bool = False) -> list[str]:
     make_algorithm(cfg.algorithm).check(cfg, rollout_only)  # its names, and the rules it puts on the run
     _check_collection(cfg)
     _check_final_weights(cfg)
+    if not rollout_only:
+        _check_videos_can_be_recorded(cfg)
     return notes
+
+
+def _check_videos_can_be_recorded(cfg: TrainConfig) -> None:
+    """An env that cannot render is refused now when the run would record videos, not at its end."""
+    if not (cfg.eval.video_episodes or cfg.eval.videos_per_task):
+        return
+    problem = env_render_problem(cfg.env)
+    if problem:
+        raise UserError(f"{problem} This run would record videos (eval.video_episodes={cfg.eval.video_episodes}: "
+                        f"train's and record's; eval.videos_per_task={cfg.eval.videos_per_task}: eval's): set both "
+                        "to 0, or make the env render (for gymnasium's classic-control envs: pip install "
+                        "'gymnasium[classic_control]').")
 
 
 def _check_policy_sees_what_it_needs(cfg: TrainConfig) -> None:

@@ -148,7 +148,20 @@ def validate_gym(cfg) -> None:
     GymEnv(GymSpec(cfg.task, cfg.max_episode_steps)).close()
 
 
-@register_env("gym", validate=validate_gym)
+def gym_render_problem(cfg) -> str | None:
+    """Video frames come from an ``rgb`` observation, else from ``render()``: tried once on an env built here."""
+    env = GymEnv(GymSpec(cfg.task, cfg.max_episode_steps))
+    try:
+        if "rgb" not in env.obs_spec:
+            env.render()
+    except Exception as err:  # whatever the env's renderer raises (a missing pygame, no render_mode)
+        return f"env.task={cfg.task} cannot render video frames ({type(err).__name__}: {err})."
+    finally:
+        env.close()
+    return None
+
+
+@register_env("gym", validate=validate_gym, render_problem=gym_render_problem)
 def make_gym(cfg, num_envs: int, num_procs: int) -> SubprocVecEnv:
     """``num_envs`` gymnasium envs over ``num_procs`` processes (0: stepped in the calling process)."""
     spec = GymSpec(cfg.task, cfg.max_episode_steps)

@@ -54,6 +54,7 @@ ENV_ACTION_DIMS: dict[str, Callable] = {}  # backend -> action_dim(env_cfg), kno
 ENV_EPISODE_STEPS: dict[str, Callable] = {}  # backend -> max_episode_steps(env_cfg), the same
 # backend -> obs_keys(env_cfg): {observation key: its shape, or None where only a built env knows it}
 ENV_OBS_KEYS: dict[str, Callable] = {}
+ENV_RENDER_PROBLEMS: dict[str, Callable] = {}  # backend -> render_problem(env_cfg): why no video frames, or None
 
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
@@ -62,12 +63,13 @@ _BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero",
 
 def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None,
                  action_dim: Callable | None = None, episode_steps: Callable | None = None,
-                 obs_keys: Callable | None = None) -> Callable:
+                 obs_keys: Callable | None = None, render_problem: Callable | None = None) -> Callable:
     """Register a backend; ``validate(env_cfg)`` raises UserError for bad names before any sim
     starts; ``seeds`` says how its episodes are named by seeds (default :class:`SeedScheme`);
     ``action_dim(env_cfg)``, ``episode_steps(env_cfg)`` and ``obs_keys(env_cfg)`` are the action
     size, the episode's step limit and the observation keys (with the shapes known) where they are
-    known without building an env (else None)."""
+    known without building an env (else None); ``render_problem(env_cfg)`` why its envs cannot give video
+    frames, or None (checked before workers start when videos are to be recorded)."""
 
     def decorator(fn: Callable) -> Callable:
         ENV_BACKENDS[name] = fn
@@ -78,6 +80,8 @@ def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme 
             ENV_EPISODE_STEPS[name] = episode_steps
         if obs_keys is not None:
             ENV_OBS_KEYS[name] = obs_keys
+        if render_problem is not None:
+            ENV_RENDER_PROBLEMS[name] = render_problem
         if validate is not None:
             ENV_VALIDATORS[name] = validate
         return fn
@@ -117,6 +121,13 @@ def env_obs_keys(env_cfg) -> dict[str, tuple[int, ...] | None] | None:
     the env lacks fails before Ray starts. None where the backend cannot say."""
     _load_backend(env_cfg)
     known = ENV_OBS_KEYS.get(env_cfg.backend)
+    return known(env_cfg) if known else None
+
+
+def env_render_problem(env_cfg) -> str | None:
+    """Why the env cannot give video frames (one sentence), or None where it can or the backend cannot say."""
+    _load_backend(env_cfg)
+    known = ENV_RENDER_PROBLEMS.get(env_cfg.backend)
     return known(env_cfg) if known else None
 
 

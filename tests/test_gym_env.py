@@ -68,3 +68,15 @@ def test_a_built_in_box_env_is_a_state_env():
         assert not any(truncated[:-1]) and truncated[-1]
     finally:
         env.close()
+
+
+def test_an_env_that_cannot_render_is_refused_before_a_run_that_records_videos():
+    """A run recording videos of an env without a renderer would fail at its end: it is refused up front, and
+    runs without videos pass."""
+    from embodied.checks import check_run_config
+
+    blind = "tests.data.gym_user_env:BlindLineReach-v0"
+    with pytest.raises(UserError, match="cannot render video frames.*set both to 0"):
+        check_run_config(compose(["env=gym", f"env.task={blind}"]))
+    check_run_config(compose(["env=gym", f"env.task={blind}", "eval.video_episodes=0", "eval.videos_per_task=0"]))
+    check_run_config(compose(["env=gym", f"env.task={USER_ENV}"]))  # renders: videos stay on

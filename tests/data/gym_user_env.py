@@ -41,3 +41,20 @@ class LineReach(gym.Env):
 
 
 gym.register(id="LineReach-v0", entry_point=LineReach, max_episode_steps=20)
+
+
+class BlindLineReach(LineReach):
+    """The same task seen through its state alone, with no renderer (render() gives nothing): videos must be off."""
+
+    def __init__(self, render_mode: str | None = None):
+        super().__init__(render_mode)
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float64)
+
+    def _obs(self):
+        return np.array([self.x, self.goal])
+
+    def render(self):
+        return None
+
+
+gym.register(id="BlindLineReach-v0", entry_point=BlindLineReach, max_episode_steps=20)
