@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributions import Normal
 
-from envs.common import Registry, unknown_name_error
+from envs.common import Registry, UserError, unknown_name_error
 
 POLICIES = Registry("policy (policy.name / policy=...)")
 
@@ -257,3 +258,13 @@ class GaussianActorCritic(Policy):
     def evaluate(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
         dist = self.distribution(obs)
         return dist.log_prob(actions).sum(-1), dist.entropy().sum(-1), self.value(obs)
+
+
+def require_model_dir(path: str, hub_id: str | None = None, where: str = "") -> None:
+    """A clear error for a ``policy.vla.model_path`` that is not a saved model directory: how to fetch
+    ``hub_id`` (a Hugging Face id), or ``where`` the policy's checkpoints come from."""
+    if not (Path(path) / "config.json").exists():
+        fetch = (f"fetch {hub_id} on a machine with internet (`huggingface-cli download {hub_id} --local-dir {path}`)"
+                 if hub_id else "fetch the model on a machine with internet")
+        raise UserError(f"policy.vla.model_path={path} is not a model directory (no config.json there). Nothing is "
+                        f"downloaded at run time: {fetch}, copy it here, or use a *_tiny policy config.{where}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass
 
 from envs.common import UserError
-from policies.base import POLICIES, changed_settings
+from policies.base import POLICIES, changed_settings, require_model_dir
 from policies.vla.checkpoint import check_normalization
 
 
@@ -42,8 +42,6 @@ def check_policy_config(policy_cfg, action_dim: int | None = None) -> list[str]:
                         "action chunks (chunk_size > 1) are for VLA policies (openvla, openvla_oft, qwen_vl); "
                         "others take chunk_size=1.")
     if policy_cfg.vla.model_path:
-        from policies.vla.policy import require_model_dir
-
         family = POLICIES.get(policy_cfg.name)
         require_model_dir(policy_cfg.vla.model_path, family.hub_id, family.checkpoint_sources)
     return POLICIES.get(policy_cfg.name).check_config(policy_cfg, action_dim)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from envs.common import UserError, unknown_name_error
-from policies.base import POLICIES
+from policies.base import POLICIES, require_model_dir
 from policies.token_actions import TokenActionPolicy
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.adapters import InputAdapter
@@ -169,16 +169,6 @@ class TokenVLAPolicy(TokenActionPolicy):
             block = stats.to_dict(NORMALIZATIONS[self.normalization])
             (Path(path) / STATS_FILE).write_text(json.dumps({key: {"action": block}}, indent=1))
 
-def require_model_dir(path: str, hub_id: str | None = None, where: str = "") -> None:
-    """A clear error for a ``policy.vla.model_path`` that is not a saved model directory: how to fetch
-    ``hub_id`` (a Hugging Face id), or ``where`` the policy's checkpoints come from."""
-    if not (Path(path) / "config.json").exists():
-        fetch = (f"fetch {hub_id} on a machine with internet (`huggingface-cli download {hub_id} --local-dir {path}`)"
-                 if hub_id else "fetch the model on a machine with internet")
-        raise UserError(f"policy.vla.model_path={path} is not a model directory (no config.json there). Nothing is "
-                        f"downloaded at run time: {fetch}, copy it here, or use a *_tiny policy config.{where}")
-
-
 @contextmanager
 def quiet_transformers():
     """No progress bars or advice from transformers while a checkpoint loads (every worker loads one);
@@ -300,7 +290,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
         if cfg.vla.model_path:
             from transformers import AutoTokenizer
 
-            require_model_dir(cfg.vla.model_path, "openvla/openvla-7b")
+            require_model_dir(cfg.vla.model_path, self.hub_id)
             self.checkpoint = self.read_checkpoint(cfg, action_dim)
             self.model = load_strictly(OpenVLAForActionPrediction, cfg.vla.model_path, weights_dtype(cfg.vla.dtype),
                                        self.checkpoint.config)

@@ -19,7 +19,7 @@ from transformers import (
 )
 from transformers.image_utils import SizeDict
 
-from policies.base import POLICIES
+from policies.base import POLICIES, require_model_dir
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
 from policies.vla.checkpoint import checkpoint_action_stats
 from policies.vla.policy import (
@@ -27,7 +27,6 @@ from policies.vla.policy import (
     TokenVLAPolicy,
     instructions_of,
     require_images,
-    require_model_dir,
 )
 from policies.vla.processor import PREPROCESSOR_FILE, byte_tokenizer, tokenize_prompts
 
@@ -87,7 +86,7 @@ class QwenVLPolicy(TokenVLAPolicy):
         if cfg.vla.model_path:
             from transformers import AutoTokenizer
 
-            require_model_dir(cfg.vla.model_path, "Qwen/Qwen2.5-VL-3B-Instruct")
+            require_model_dir(cfg.vla.model_path, self.hub_id)
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.vla.model_path)
             self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(cfg.vla.model_path)
         else:
