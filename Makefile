@@ -19,10 +19,14 @@ SHELL := /bin/bash
 QUIET_PIP := sed -u '/^WARNING: Location/d'
 
 STAMP := $(VENV)/.embodied-installed
+# MetaWorld's env processes run their own interpreter: metaworld pins mujoco 3.3.0, LIBERO needs 2.3.7
+MW_VENV ?= .venv-metaworld
+MW_REQUIREMENTS := assets/metaworld/requirements.txt
+MW_STAMP := $(MW_VENV)/.embodied-installed
 
 .PHONY: setup train test test-unit lint clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) $(MW_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +37,11 @@ $(STAMP): pyproject.toml Makefile
 	@# headless Vulkan (Mesa lavapipe) for SAPIEN; skipped where a driver already works
 	$(BIN)/embodied setup-render
 	touch $(STAMP)
+
+$(MW_STAMP): $(MW_REQUIREMENTS)
+	test -x $(MW_VENV)/bin/python || $(PYTHON) -m venv $(MW_VENV)
+	$(MW_VENV)/bin/python -m pip install -q --disable-pip-version-check -r $(MW_REQUIREMENTS) 2>&1 | $(QUIET_PIP)
+	touch $(MW_STAMP)
 
 train: setup
 	$(BIN)/embodied train $(ARGS)
@@ -47,4 +56,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(MW_VENV)

@@ -41,12 +41,18 @@ class EnvConfig:
     render_size: int = ranged(256, 8)  # resolution of recorded videos
     # LIBERO: "fast" (no reflections, no multisampling: ~2x the env-steps/s on a CPU renderer) or
     # "reference" (robosuite's defaults, as the public checkpoints' authors render: their pixels);
-    # speeds in docs/libero_protocol.md. ManiSkill renders one way: "fast"
+    # speeds in docs/libero_protocol.md. MetaWorld: "fast" (no shadows either) or "reference" (MetaWorld's own).
+    # ManiSkill renders one way: "fast"
     rendering: str = "fast"
     # LIBERO: how episodes start and end, as a reference evaluation does (docs/libero_protocol.md, "Protocols"):
     # "default" (soft resets, seeds task*1000+init, OpenVLA's / openpi's step limits), "lerobot" (lerobot-eval:
-    # hard resets, seeds 1000+k, libero_spatial 280 steps) or "openpi" (examples/libero/main.py: hard resets)
+    # hard resets, seeds 1000+k, libero_spatial 280 steps) or "openpi" (examples/libero/main.py: hard resets).
+    # MetaWorld (docs/metaworld_protocol.md): "default" (lerobot-eval's 500 steps) or "rlinf" (100 steps after 15
+    # zero-action steps)
     protocol: str = "default"
+    # MetaWorld: the Python interpreter of its env processes (None: .venv-metaworld, which `make setup` builds;
+    # metaworld pins mujoco 3.3.0, LIBERO needs 2.3.7, so they never share one: docs/design/metaworld.md)
+    python: str | None = None
     timeout_s: float = ranged(120.0, 0, above=True)  # an env process silent this long is reported as hung
     # ... except while it builds its envs (at start, and a replacement's), which may take max(this, timeout_s)
     startup_timeout_s: float = ranged(300.0, 0, above=True)

@@ -36,7 +36,7 @@ import numpy as np
 
 from envs.base import encode_instructions
 from envs.common import UserError, unknown_name_error
-from envs.registry import SeedScheme, register_env
+from envs.registry import SeedScheme, register_env, task_subset
 from envs.subproc import SubprocVecEnv
 
 INIT_STRIDE = 1000  # seeds per task: init states 0..999
@@ -271,7 +271,8 @@ class LiberoSeeds(SeedScheme):
     def eval_seeds(self, env_cfg, eval_cfg) -> list[int]:
         """Task by task (``eval.tasks``, or all), its first ``eval.trials_per_task`` stored init states."""
         counts = init_state_counts(env_cfg.task)
-        tasks = range(len(counts)) if eval_cfg.tasks is None else _task_subset(eval_cfg.tasks, env_cfg.task)
+        chosen = eval_cfg.tasks
+        tasks = range(len(counts)) if chosen is None else task_subset(chosen, env_cfg.task, len(counts))
         stored = min(counts[t] for t in tasks)
         if eval_cfg.trials_per_task > stored:  # a trial is a stored init state: there are no more to run
             raise UserError(f"eval.trials_per_task={eval_cfg.trials_per_task}: {env_cfg.task} stores {stored} init "
@@ -282,16 +283,6 @@ class LiberoSeeds(SeedScheme):
     def task_of(self, env_cfg, seed: int) -> tuple[int, str]:
         task_index = decode_seed(seed)[0]
         return task_index, suite_tasks(env_cfg.task)[task_index].name
-
-
-def _task_subset(tasks, suite: str) -> list[int]:
-    """``eval.tasks`` sorted and deduplicated; an index outside the suite is a UserError."""
-    num_tasks = len(init_state_counts(suite))
-    outside = [t for t in tasks if not 0 <= t < num_tasks]
-    if outside or not tasks:
-        raise UserError(f"eval.tasks={list(tasks)}: {suite} has tasks 0..{num_tasks - 1}; list some of "
-                        "those (e.g. eval.tasks=[0,3]) or set eval.tasks=null for the whole suite.")
-    return sorted(set(tasks))
 
 
 def validate_libero(cfg) -> None:

@@ -49,6 +49,15 @@ class SeedScheme:
         return 0, env_cfg.task
 
 
+def task_subset(tasks, suite: str, num_tasks: int) -> list[int]:
+    """``eval.tasks`` sorted and deduplicated; an index outside the suite's ``num_tasks`` is a UserError."""
+    outside = [t for t in tasks if not 0 <= t < num_tasks]
+    if outside or not tasks:
+        raise UserError(f"eval.tasks={list(tasks)}: {suite} has tasks 0..{num_tasks - 1}; list some of "
+                        "those (e.g. eval.tasks=[0,3]) or set eval.tasks=null for the whole suite.")
+    return sorted(set(tasks))
+
+
 ENV_SEED_SCHEMES: dict[str, SeedScheme] = {}
 ENV_ACTION_DIMS: dict[str, Callable] = {}  # backend -> action_dim(env_cfg), known without building the env
 ENV_EPISODE_STEPS: dict[str, Callable] = {}  # backend -> max_episode_steps(env_cfg), the same
@@ -58,7 +67,8 @@ ENV_RENDER_PROBLEMS: dict[str, Callable] = {}  # backend -> render_problem(env_c
 
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
-_BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero", "gym": "envs.gym_env"})
+_BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero", "gym": "envs.gym_env",
+                         "metaworld": "envs.metaworld"})
 
 
 def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None,

@@ -19,7 +19,6 @@ way a process can fail is reported or recovered is :class:`SubprocVecEnv`'s docs
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Callable
 from multiprocessing import shared_memory
 from multiprocessing.connection import wait
@@ -29,10 +28,11 @@ import numpy as np
 import torch
 
 from envs.base import EpisodeTracker, Obs, StepResult
+from envs.launch import start_env_process
 from envs.seeds import AutoResets
-from envs.subproc_child import EnvBatch, ResetRequest, SingleEnv, serve
+from envs.subproc_child import EnvBatch, EnvShape, ResetRequest, SingleEnv
 
-__all__ = ["EnvCommandError", "EnvCrashedError", "ResetRequest", "SingleEnv", "SubprocVecEnv"]
+__all__ = ["EnvCommandError", "EnvCrashedError", "EnvShape", "ResetRequest", "SingleEnv", "SubprocVecEnv"]
 
 
 class EnvCrashedError(RuntimeError):
@@ -69,6 +69,9 @@ class SubprocVecEnv:
             (``env.startup_timeout_s``; at least ``timeout_s``).
         restart_crashed: replace a failed process and go on (below); without it any failure
             closes the batch and raises :class:`EnvCrashedError`.
+        shape: the envs' :class:`EnvShape`; None: one env built here tells it.
+        python: the interpreter that runs the env processes (envs/launch.py; needs ``shape`` and
+            ``num_procs >= 1``); None: this one's.
 
     Every command is answered (envs/subproc_child.py) and every wait for an answer has a
     deadline. A process that exits (killed, segfault) is seen at once through its sentinel, not
@@ -98,25 +101,31 @@ class SubprocVecEnv:
         timeout_s: float = 120.0,
         restart_crashed: bool = False,
         startup_timeout_s: float = 300.0,
+        shape: EnvShape | None = None,
+        python: str | None = None,
     ):
+        if python is not None and (shape is None or num_procs < 1):
+            raise ValueError("envs run by another interpreter need their EnvShape and num_procs >= 1")
         if num_procs > num_envs:
             num_procs = num_envs
         self.num_envs = num_envs
         self.timeout_s = timeout_s
         self.restart_crashed = restart_crashed
         self._make_env = make_env
+        self._python = python
         self._last_reset = ResetRequest([None] * num_envs)  # replayed on a restarted worker
         self._ignore_terminations = False
         self.restarts = 0  # worker processes replaced so far
         self._startup_s = max(timeout_s, startup_timeout_s)  # building envs can take far longer than a step
         self.device = torch.device("cpu")
-        # one env built here tells the shapes the shared buffers need
-        first = make_env(0)
-        self.obs_spec_np = dict(first.obs_spec)
-        self.action_dim = first.action_dim
-        self.max_episode_steps = first.max_episode_steps
+        # the shapes the shared buffers need: given, or told by one env built here
+        first = make_env(0) if shape is None else None
+        shape = shape or EnvShape(dict(first.obs_spec), first.action_dim, first.max_episode_steps)
+        self.obs_spec_np = dict(shape.obs_spec)
+        self.action_dim = shape.action_dim
+        self.max_episode_steps = shape.max_episode_steps
         self.obs_spec = {k: (s, _torch_dtype(d)) for k, (s, d) in self.obs_spec_np.items()}
-        if num_procs > 0:
+        if num_procs > 0 and first is not None:
             first.close()
         self._specs = _buffer_specs(self.obs_spec_np, num_envs, self.action_dim)
         self._procs: list = []
@@ -125,7 +134,7 @@ class SubprocVecEnv:
         self._blocks: dict = {}
         if num_procs == 0:
             self.buf = {name: np.zeros(shape, dtype) for name, (shape, dtype) in self._specs.items()}
-            self._local = EnvBatch([first] + [make_env(i) for i in range(1, num_envs)], self.buf)
+            self._local = EnvBatch([first or make_env(0)] + [make_env(i) for i in range(1, num_envs)], self.buf)
         else:
             self._local = None
             self._start_workers(make_env, num_procs)
@@ -149,17 +158,8 @@ class SubprocVecEnv:
         self._gather(self._startup_s)
 
     def _spawn(self, start: int, stop: int):
-        # fork deadlocks inside lavapipe once the parent has built an env (docs/architecture.md, "Measured facts")
-        ctx = mp.get_context("forkserver")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=serve,
-            args=(child, self._make_env, list(range(start, stop)), self._shm_names, self._specs, start, stop),
-            daemon=True,
-        )
-        proc.start()
-        child.close()
-        return proc, parent
+        args = (self._make_env, list(range(start, stop)), self._shm_names, self._specs, start, stop)
+        return start_env_process(args, self._python)
 
     def _restart(self, rank: int) -> None:
         """Replace worker ``rank`` by a fresh process and reset its envs to their last seeds."""

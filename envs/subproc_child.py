@@ -17,7 +17,7 @@ import gc
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -51,6 +51,16 @@ class SingleEnv(Protocol):
     def render(self) -> np.ndarray: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EnvShape:
+    """What the shared buffers of a batch need to know of its envs, for a backend that tells it without
+    building one in the parent (whose interpreter may not be able to: envs/launch.py)."""
+
+    obs_spec: dict[str, tuple[tuple[int, ...], np.dtype]]
+    action_dim: int
+    max_episode_steps: int
 
 
 @dataclass(frozen=True)
@@ -133,10 +143,14 @@ class EnvBatch:
 
 
 def serve(pipe: Connection, make_env: Callable[[int], SingleEnv], env_ids: list[int], shm_names: dict[str, str],
-          specs: dict, start: int, stop: int) -> None:
+          specs: dict, start: int, stop: int, untrack_shared_memory: bool = False) -> None:
     """An env process's main: attach to shared memory, build the envs, then answer commands
-    (the module docstring's protocol) until ``close``."""
+    (the module docstring's protocol) until ``close``. ``untrack_shared_memory``: a process with a
+    resource tracker of its own (another interpreter's) keeps it from unlinking the parent's blocks."""
     blocks = {name: shared_memory.SharedMemory(name=shm) for name, shm in shm_names.items()}
+    if untrack_shared_memory:
+        for block in blocks.values():
+            resource_tracker.unregister(block._name, "shared_memory")  # Python < 3.13 has no track=False
     try:
         buffers = {
             name: np.ndarray(specs[name][0], specs[name][1], buffer=blocks[name].buf)[start:stop]

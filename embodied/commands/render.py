@@ -1,5 +1,6 @@
 """``embodied check-render`` / ``embodied setup-render``: does SAPIEN rendering work here, and if not,
-make it work (install lavapipe, a CPU Vulkan driver).
+make it work (install lavapipe, a CPU Vulkan driver). ``check-render`` also renders a MetaWorld frame in
+MetaWorld's interpreter where it is installed (MuJoCo's EGL backend; LIBERO renders the same way).
 
 They take no flags and no overrides: they test the machine, not a config. Exit 0 when rendering
 works, 1 when it does not (the table in embodied/cli.py).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from envs.metaworld import check_metaworld_render
 from envs.rendering import check_render, install_lavapipe
 
 RENDER_FAILED = 1  # EXIT_FAILED in embodied/cli.py's table: the check ran, and rendering does not work
@@ -25,10 +27,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Print what rendering does here; exit 1 if it does not work."""
+    """Print what rendering does here; exit 1 if it does not work (SAPIEN's, or an installed MetaWorld's)."""
     works, message = check_render()
     print(message)
-    return 0 if works else RENDER_FAILED
+    metaworld_works, metaworld_message = check_metaworld_render()
+    print(metaworld_message)
+    return 0 if works and metaworld_works is not False else RENDER_FAILED
 
 
 def run_setup(args: argparse.Namespace) -> int:
