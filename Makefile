@@ -26,7 +26,8 @@ MW_STAMP := $(MW_VENV)/.embodied-installed
 
 .PHONY: setup train test test-unit lint clean-venv
 
-setup: $(STAMP) $(MW_STAMP)
+# MetaWorld's interpreter first: setup-render (in the project's) checks that it renders too
+setup: $(MW_STAMP) $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

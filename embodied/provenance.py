@@ -4,7 +4,8 @@
 weight files there, or the checkpoint evaluated and its digest), the settings that change what the
 policy sees and does (cameras, the checkpoint family's frame and action steps, the normalisation,
 the env's render size, the protocol's trial count), the code (git commit, and whether the tree
-had uncommitted changes) and the versions of the libraries that compute it.
+had uncommitted changes) and the versions of the libraries that compute it (an env whose processes run
+another interpreter, MetaWorld's, reports that interpreter's: ``env_python`` names it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import hashlib
 import subprocess
 from importlib import metadata
 from pathlib import Path
+
+from envs.registry import env_versions
 
 REPO = Path(__file__).resolve().parents[1]
 # the packages whose versions change what a run computes
@@ -79,4 +82,5 @@ def provenance(cfg, checkpoint: Path | None) -> dict:
                 "protocol": cfg.env.protocol, "obs_mode": cfg.env.obs_mode,
                 "episodes": cfg.eval.episodes, "trials_per_task": cfg.eval.trials_per_task, "tasks": cfg.eval.tasks,
                 "deterministic": cfg.eval.deterministic}
-    return {"weights": weights, "settings": settings, "code": code_version(), "versions": versions()}
+    return {"weights": weights, "settings": settings, "code": code_version(),
+            "versions": {**versions(), **env_versions(cfg.env)}}

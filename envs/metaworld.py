@@ -86,19 +86,29 @@ def _shape(spec: MetaWorldSpec) -> EnvShape:
     return EnvShape(obs, ACTION_DIM, spec.max_episode_steps)
 
 
+ENV_PACKAGES = ("metaworld", "mujoco", "gymnasium", "numpy")  # what an env process computes with
+_VERSIONS_PROBE = ("import json; from importlib import metadata; import metaworld, mujoco; "
+                   f"print(json.dumps({{p: metadata.version(p) for p in {ENV_PACKAGES!r}}}))")
+
+
 @functools.cache
-def _interpreter_problem(python: str) -> str | None:
-    """Why ``python`` cannot run MetaWorld's env processes, or None (asked once per process: ~2 s)."""
+def _ask_interpreter(python: str) -> tuple[str | None, dict[str, str]]:
+    """(why ``python`` cannot run MetaWorld's env processes or None, its package versions); asked once per
+    process (~2 s)."""
     if not Path(python).exists():
-        return f"the interpreter {python} does not exist"
-    probe = "import metaworld, mujoco; print(mujoco.__version__)"
+        return f"the interpreter {python} does not exist", {}
     try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([python, "-c", _VERSIONS_PROBE], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as err:
-        return f"{python} did not run ({err})"
+        return f"{python} did not run ({err})", {}
     if done.returncode != 0:
-        return f"{python} cannot import metaworld ({done.stderr.strip().splitlines()[-1:]})"
-    return None
+        return f"{python} cannot import metaworld ({done.stderr.strip().splitlines()[-1:]})", {}
+    return None, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def metaworld_versions(cfg) -> dict[str, str]:
+    """The versions the env processes compute with (their interpreter's, not this one's: its mujoco is LIBERO's)."""
+    return {**_ask_interpreter(interpreter(cfg))[1], "env_python": interpreter(cfg)}
 
 
 def validate_metaworld(cfg) -> None:
@@ -117,7 +127,7 @@ def validate_metaworld(cfg) -> None:
         raise UserError(f"env.protocol={cfg.protocol!r} is not a MetaWorld protocol: use 'default' (lerobot-eval's: "
                         "500 steps) or 'rlinf' (RLinf's: 100 steps after 15 zero-action steps); "
                         "docs/metaworld_protocol.md.")
-    problem = _interpreter_problem(interpreter(cfg))
+    problem = _ask_interpreter(interpreter(cfg))[0]
     if problem:
         raise UserError(f"MetaWorld's env processes run in their own interpreter, and {problem}. {INSTALL}")
 
@@ -138,6 +148,9 @@ def check_metaworld_render(python: str | None = None, timeout_s: float = 120.0) 
     python = python or str(DEFAULT_PYTHON)
     if not Path(python).exists():
         return None, f"MetaWorld: not installed ({python} does not exist; `make setup` builds it)."
+    problem = _ask_interpreter(python)[0]
+    if problem:
+        return False, f"MetaWorld: {problem}. {INSTALL}"
     try:
         done = subprocess.run([python, "-c", _RENDER_PROBE], capture_output=True, text=True, timeout=timeout_s,
                               cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
@@ -182,7 +195,7 @@ def metaworld_obs_keys(cfg) -> dict[str, tuple[int, ...] | None]:
 
 
 @register_env("metaworld", validate=validate_metaworld, seeds=MetaWorldSeeds(), action_dim=lambda cfg: ACTION_DIM,
-              episode_steps=max_steps, obs_keys=metaworld_obs_keys)
+              episode_steps=max_steps, obs_keys=metaworld_obs_keys, versions=metaworld_versions)
 def make_metaworld(cfg, num_envs: int, num_procs: int) -> SubprocVecEnv:
     """``num_envs`` MetaWorld envs over ``num_procs`` processes of MetaWorld's interpreter (at least one:
     this interpreter cannot step them)."""

@@ -64,6 +64,8 @@ ENV_EPISODE_STEPS: dict[str, Callable] = {}  # backend -> max_episode_steps(env_
 # backend -> obs_keys(env_cfg): {observation key: its shape, or None where only a built env knows it}
 ENV_OBS_KEYS: dict[str, Callable] = {}
 ENV_RENDER_PROBLEMS: dict[str, Callable] = {}  # backend -> render_problem(env_cfg): why no video frames, or None
+# backend -> versions(env_cfg): {package: version} its env processes compute with, where they run another interpreter
+ENV_VERSIONS: dict[str, Callable] = {}
 
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
@@ -73,13 +75,15 @@ _BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero",
 
 def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None,
                  action_dim: Callable | None = None, episode_steps: Callable | None = None,
-                 obs_keys: Callable | None = None, render_problem: Callable | None = None) -> Callable:
+                 obs_keys: Callable | None = None, render_problem: Callable | None = None,
+                 versions: Callable | None = None) -> Callable:
     """Register a backend; ``validate(env_cfg)`` raises UserError for bad names before any sim
     starts; ``seeds`` says how its episodes are named by seeds (default :class:`SeedScheme`);
     ``action_dim(env_cfg)``, ``episode_steps(env_cfg)`` and ``obs_keys(env_cfg)`` are the action
     size, the episode's step limit and the observation keys (with the shapes known) where they are
     known without building an env (else None); ``render_problem(env_cfg)`` why its envs cannot give video
-    frames, or None (checked before workers start when videos are to be recorded)."""
+    frames, or None (checked before workers start when videos are to be recorded); ``versions(env_cfg)`` the
+    package versions of the interpreter its env processes run, where that is not this one (provenance)."""
 
     def decorator(fn: Callable) -> Callable:
         ENV_BACKENDS[name] = fn
@@ -92,6 +96,8 @@ def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme 
             ENV_OBS_KEYS[name] = obs_keys
         if render_problem is not None:
             ENV_RENDER_PROBLEMS[name] = render_problem
+        if versions is not None:
+            ENV_VERSIONS[name] = versions
         if validate is not None:
             ENV_VALIDATORS[name] = validate
         return fn
@@ -139,6 +145,13 @@ def env_render_problem(env_cfg) -> str | None:
     _load_backend(env_cfg)
     known = ENV_RENDER_PROBLEMS.get(env_cfg.backend)
     return known(env_cfg) if known else None
+
+
+def env_versions(env_cfg) -> dict[str, str]:
+    """The package versions the env processes compute with where they run another interpreter, else {}."""
+    _load_backend(env_cfg)
+    known = ENV_VERSIONS.get(env_cfg.backend)
+    return known(env_cfg) if known else {}
 
 
 def seed_scheme(env_cfg) -> SeedScheme:

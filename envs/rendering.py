@@ -1,10 +1,11 @@
-"""Headless rendering for SAPIEN on machines without a GPU.
+"""Headless rendering for SAPIEN (and MuJoCo's EGL) on machines without a GPU.
 
 SAPIEN needs a Vulkan device even for state observations. Debian 12's own
 lavapipe (Mesa 22.3) lacks a feature SAPIEN needs; Mesa 25 lavapipe from
 bookworm-backports works. :func:`install_lavapipe` unpacks it into a folder of
 the environment (no system-wide Mesa upgrade) and writes a Vulkan ICD file;
-:func:`ensure_vulkan_icd` points ``VK_ICD_FILENAMES`` at it before SAPIEN starts.
+:func:`ensure_vulkan_icd` points ``VK_ICD_FILENAMES`` at it before SAPIEN starts. MuJoCo (LIBERO,
+MetaWorld) renders through EGL with the system's Mesa; :func:`install_egl` installs it where it is missing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 PACKAGES = ("mesa-vulkan-drivers", "mesa-libgallium")
+EGL_PACKAGES = ("libegl1", "libegl-mesa0", "libgl1-mesa-dri")  # MuJoCo's MUJOCO_GL=egl on a CPU (Mesa llvmpipe)
 APT_SOURCE = Path("/etc/apt/sources.list.d/embodied-rl-backports.sources")
 
 
@@ -100,6 +102,16 @@ def install_lavapipe(verbose: bool = True) -> Path:
     icd = {"file_format_version": "1.0.0", "ICD": {"library_path": str(library), "api_version": "1.3.0"}}
     icd_file().write_text(json.dumps(icd, indent=1))
     return icd_file()
+
+
+def install_egl(verbose: bool = True) -> str:
+    """apt-get install the EGL libraries and Mesa's software driver MuJoCo renders with (root only)."""
+    if os.geteuid() != 0:
+        raise PermissionError(f"Installing EGL needs apt (root): run `sudo apt-get install {' '.join(EGL_PACKAGES)}`.")
+    run = dict(check=True, stdout=None if verbose else subprocess.DEVNULL)
+    subprocess.run(["apt-get", "update", "-qq"], **run)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *EGL_PACKAGES], **run)
+    return ", ".join(EGL_PACKAGES)
 
 
 _PROBE = """

@@ -4,10 +4,13 @@ refused before any process starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 
+import imageio
 import mujoco
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ import torch
 from embodied.config import compose
 from envs.base import decode_instruction
 from envs.common import UserError
-from envs.metaworld import interpreter, suite_tasks
+from envs.metaworld import check_metaworld_render, interpreter, suite_tasks
 from envs.metaworld_sim import TASK_STRIDE, TRAIN_TRIALS, decode_seed, episode_seed
 from envs.registry import check_env_config, env_episode_steps, make_vec_env, seed_scheme, training_reset_seeds
 from envs.seeds import RunSeeds
@@ -129,3 +132,35 @@ def test_the_protocols_step_limits():
     assert env_episode_steps(_cfg(env="metaworld_mt1").env) == 500
     assert env_episode_steps(_cfg("env.protocol=rlinf", env="metaworld_mt1").env) == 100
     assert env_episode_steps(_cfg("env.protocol=rlinf", "env.max_episode_steps=150", env="metaworld_mt1").env) == 150
+
+
+def test_cli_eval_writes_the_per_task_table_videos_and_the_versions_it_ran(ray_cluster, tmp_path):
+    """`embodied eval env=metaworld_mt10 policy=random`, shortened: the per-task table, a video per task from
+    the env's own frames, and provenance naming MetaWorld's interpreter and its mujoco, not this one's."""
+    from embodied.cli import main as cli_main  # in this process: fresh workers on the session's cluster
+
+    out = tmp_path / "eval"
+    assert cli_main(["eval", "env=metaworld_mt10", "policy=random", "eval.trials_per_task=2", "eval.tasks=[9,2]",
+                     "env.num_envs=2", "env.max_episode_steps=5", "env.render_size=32", "runner.progress=false",
+                     f"runner.run_dir={out}"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert [(t["task_index"], t["task"], t["episodes"]) for t in result["tasks"]] == [
+        (2, "pick-place-v3", 2), (9, "window-close-v3", 2)]
+    assert result["seeds"] == [episode_seed(t, k) for t in (2, 9) for k in range(2)]
+    versions = result["provenance"]["versions"]
+    assert versions["mujoco"] == "3.3.0" and versions["metaworld"] == "3.1.1"
+    assert versions["env_python"].endswith(".venv-metaworld/bin/python")
+    videos = sorted((out / "videos").glob("task_*.mp4"))
+    assert [v.name.split("_episode")[0] for v in videos] == ["task_002", "task_009"]
+    assert len(imageio.mimread(videos[0])) == 6  # the reset frame and 5 steps
+
+
+@pytest.mark.integration  # renders in MetaWorld's interpreter
+def test_check_render_answers_for_metaworld():
+    """A frame rendered through MuJoCo's EGL in MetaWorld's interpreter; an interpreter without metaworld
+    (this one) fails, naming the fix; none installed is nothing to check."""
+    works, message = check_metaworld_render()
+    assert works is True and "64x64 frame rendered" in message
+    works, message = check_metaworld_render(sys.executable)
+    assert works is False and "cannot import metaworld" in message and "make setup" in message
+    assert check_metaworld_render("/nonexistent/python")[0] is None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from envs.metaworld import check_metaworld_render
-from envs.rendering import check_render, install_lavapipe
+from envs.rendering import check_render, install_egl, install_lavapipe
 
 RENDER_FAILED = 1  # EXIT_FAILED in embodied/cli.py's table: the check ran, and rendering does not work
 
@@ -21,7 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     check = subparsers.add_parser("check-render", help="does SAPIEN rendering work here? what to install if not",
                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.set_defaults(run=run_check)
-    setup = subparsers.add_parser("setup-render", help="make SAPIEN rendering work (installs lavapipe if needed)",
+    setup = subparsers.add_parser("setup-render", help="make SAPIEN and MetaWorld rendering work (installs lavapipe, "
+                                  "EGL if needed)",
                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     setup.set_defaults(run=run_setup)
 
@@ -36,10 +37,16 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_setup(args: argparse.Namespace) -> int:
-    """Make SAPIEN rendering work: nothing to do where a Vulkan driver works already."""
+    """Make SAPIEN rendering work (nothing to do where a Vulkan driver works already), and an installed
+    MetaWorld's (EGL: nothing to do where it renders already)."""
     works, message = check_render()
     if not works:
         print(f"No working Vulkan driver; installing lavapipe: {install_lavapipe(verbose=False)}")
         works, message = check_render()
     print(message)
-    return 0 if works else RENDER_FAILED
+    metaworld_works, metaworld_message = check_metaworld_render()
+    if metaworld_works is False:
+        print(f"MetaWorld does not render; installing EGL: {install_egl(verbose=False)}")
+        metaworld_works, metaworld_message = check_metaworld_render()
+    print(metaworld_message)
+    return 0 if works and metaworld_works is not False else RENDER_FAILED
