@@ -119,7 +119,8 @@ def test_the_checks_see_every_package_and_lazy_imports():
 # a simulator (the CLI answers --help and config errors without torch; a policy that never uses
 # vLLM never imports it), and the project modules that import one of them at their top.
 HEAVY = {"torch", "ray", "transformers", "peft", "vllm", "mani_skill", "sapien", "libero", "robosuite", "mujoco",
-         "gymnasium", "matplotlib", "tensorboard", "hydra", "imageio", "simplejpeg", "psutil", "tensorflow"}
+         "gymnasium", "matplotlib", "tensorboard", "hydra", "imageio", "simplejpeg", "psutil", "tensorflow",
+         "metaworld"}
 
 
 def _top_level_imports(path: Path) -> tuple[set[str], set[str]]:

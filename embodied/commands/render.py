@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-from envs.metaworld import check_metaworld_render
 from envs.rendering import check_render, install_egl, install_lavapipe
 
 RENDER_FAILED = 1  # EXIT_FAILED in embodied/cli.py's table: the check ran, and rendering does not work
@@ -29,6 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     """Print what rendering does here; exit 1 if it does not work (SAPIEN's, or an installed MetaWorld's)."""
+    from envs.metaworld import check_metaworld_render  # torch, through the env processes' module: not for --help
+
     works, message = check_render()
     print(message)
     metaworld_works, metaworld_message = check_metaworld_render()
@@ -39,10 +40,14 @@ def run_check(args: argparse.Namespace) -> int:
 def run_setup(args: argparse.Namespace) -> int:
     """Make SAPIEN rendering work (nothing to do where a Vulkan driver works already), and an installed
     MetaWorld's (EGL: nothing to do where it renders already)."""
+    from envs.metaworld import check_metaworld_render
+
     works, message = check_render()
     if not works:
         print(f"No working Vulkan driver; installing lavapipe: {install_lavapipe(verbose=False)}")
-        works, message = check_render()
+        from envs.metaworld import check_metaworld_render  # torch, through the env processes' module: not for --help
+
+    works, message = check_render()
     print(message)
     metaworld_works, metaworld_message = check_metaworld_render()
     if metaworld_works is False:
