@@ -70,7 +70,7 @@ ENV_VERSIONS: dict[str, Callable] = {}
 # backend name -> module that registers it
 _BACKEND_MODULES = Registry("env backend (env.backend)")
 _BACKEND_MODULES.update({"maniskill": "envs.maniskill", "libero": "envs.libero", "gym": "envs.gym_env",
-                         "metaworld": "envs.metaworld"})
+                         "metaworld": "envs.metaworld", "free": "envs.free_env"})
 
 
 def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme | None = None,

@@ -37,7 +37,8 @@ def _reach_action(state: torch.Tensor) -> torch.Tensor:
 @pytest.mark.integration  # env processes of another interpreter
 def test_mt10_runs_in_metaworlds_interpreter_with_its_instructions_and_success():
     """The envs run mujoco 3.3.0 while this process keeps LIBERO's 2.3.7; the observation names the task
-    and its instruction; a seed names the same episode in any env; success ends a training episode."""
+    and its instruction; a seed names the same episode in any env, whatever ran there before (replayed step
+    for step); success ends a training episode."""
     cfg = _cfg("env.num_envs=3")
     probe = subprocess.run([interpreter(cfg.env), "-c", "import mujoco; print(mujoco.__version__)"],
                            capture_output=True, text=True, check=True)
@@ -53,12 +54,20 @@ def test_mt10_runs_in_metaworlds_interpreter_with_its_instructions_and_success()
         assert not torch.equal(obs["state"][0], obs["state"][1])  # another trial: another goal
         again, _ = envs.reset(seed=[episode_seed(0, 8), episode_seed(0, 7), episode_seed(3, 7)])
         assert torch.equal(again["state"][1], obs["state"][0]) and torch.equal(again["state"][2], obs["state"][2])
+        states = []
         for _ in range(100):
             step = envs.step(torch.cat([_reach_action(again["state"][:2]), torch.zeros(1, 4)]))
             again = step.obs
+            states.append(step.info["final_obs"]["state"][0] if step.done[0] else again["state"][0])
             if step.info["success"][0]:
                 break
         assert step.info["success"][0] and step.terminated[0] and not step.terminated[2]
+        # the episode again, in another env after other episodes: the same states, step for step
+        replay, _ = envs.reset(seed=[episode_seed(3, 7), episode_seed(0, 8), episode_seed(0, 7)])
+        for expected in states:
+            step = envs.step(torch.cat([torch.zeros(1, 4), _reach_action(replay["state"][1:2]), torch.zeros(1, 4)]))
+            replay = step.obs
+            assert torch.equal(step.info["final_obs"]["state"][1] if step.done[1] else replay["state"][1], expected)
     finally:
         envs.close()
 

@@ -4,4 +4,4 @@ returning a JSON-able summary and ``markdown(summary)`` rendering its table."""
 from envs.common import Registry
 
 BENCHES = Registry("benchmark (embodied bench <name>)")
-BENCHES.update({"pipeline": "embodied.bench.pipeline"})
+BENCHES.update({"pipeline": "embodied.bench.pipeline", "overhead": "embodied.bench.overhead"})
