@@ -25,6 +25,12 @@ from envs.subproc_child import serve
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def interpreter_environment() -> dict[str, str]:
+    """The environment another interpreter runs our modules in: ours, with the repository first on its path."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 class InterpreterProcess:
     """An env process run by another interpreter, as SubprocVecEnv sees a ``multiprocessing.Process``."""
 
@@ -71,9 +77,8 @@ def start_env_process(serve_args: tuple, python: str | None = None):
         child.close()
         return proc, parent
     ours, theirs = socket.socketpair()
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     popen = subprocess.Popen([python, "-m", "envs.interpreter_child", str(theirs.fileno())],
-                             pass_fds=(theirs.fileno(),), env={**os.environ, "PYTHONPATH": path}, cwd=REPO_ROOT)
+                             pass_fds=(theirs.fileno(),), env=interpreter_environment(), cwd=REPO_ROOT)
     theirs.close()
     connection = Connection(ours.detach())
     # the child answers ("ok", None) once its envs are built, ("error", traceback) if it cannot build them;

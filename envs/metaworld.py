@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from envs.base import encode_instructions
 from envs.common import UserError, unknown_name_error
+from envs.launch import REPO_ROOT, interpreter_environment
 from envs.metaworld_sim import (
     ACTION_DIM,
     MAX_PATH_LENGTH,
@@ -38,7 +38,6 @@ from envs.metaworld_sim import (
 from envs.registry import SeedScheme, register_env, task_subset
 from envs.subproc import EnvShape, SubprocVecEnv
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TASKS_FILE = REPO_ROOT / "assets" / "metaworld" / "tasks.json"
 DEFAULT_PYTHON = REPO_ROOT / ".venv-metaworld" / "bin" / "python"
 SUITES = ("mt10", "mt50")
@@ -153,7 +152,7 @@ def check_metaworld_render(python: str | None = None, timeout_s: float = 120.0) 
         return False, f"MetaWorld: {problem}. {INSTALL}"
     try:
         done = subprocess.run([python, "-c", _RENDER_PROBE], capture_output=True, text=True, timeout=timeout_s,
-                              cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                              cwd=REPO_ROOT, env=interpreter_environment())
     except subprocess.TimeoutExpired:
         return False, f"MetaWorld: rendering did not finish within {timeout_s:.0f} s."
     frame = [line.split() for line in done.stdout.splitlines() if line.startswith("FRAME")]

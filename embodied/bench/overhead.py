@@ -72,8 +72,7 @@ def _mean(rows: list[dict]) -> dict[str, float]:
 
 
 def plain_loop(cfg, iterations: int) -> Measured:
-    """The plain single-process loop (the module doc); threads: every core, as a script would use."""
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    """The plain single-process loop (the module doc); torch's default threads (every core), as a script's."""
     env = make_vec_env(cfg.env)
     policy = make_policy(cfg.policy, env.obs_spec, env.action_dim)
     algorithm = make_algorithm(cfg.algorithm)
