@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 
 from embodied.config import compose
 from envs.common import UserError
@@ -95,6 +96,52 @@ def test_rowwise_exact_gives_each_row_the_bits_of_the_whole_batch(fn, width):
         assert torch.equal(pieces, whole), f"{fn.__name__} rows differ when computed {size} at a time"
 
 
+PIECES = [(0, 1), (3, 1), (5, 7), (7, 33), (63, 65), (100, 200)]  # (start, length): inside and across tiles
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("in_features", [1, 8, 42, 256, 3136])
+@pytest.mark.parametrize("out_features", [1, 2, 8, 17, 256])
+def test_batch_invariant_linear_gives_each_row_the_bits_of_the_whole_batch(in_features, out_features, threads):
+    """Any slice of the rows, wherever it starts, gets the bits the whole batch gives them (narrow layers too:
+    without the added zero columns, a value head's rows changed in the last bit with their place)."""
+    from policies.base import Linear
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(in_features * 1000 + out_features)
+        layer = Linear(in_features, out_features)
+        layer.batch_invariant = True
+        x = torch.randn(300, in_features, generator=g)
+        with torch.no_grad():
+            whole = layer(x)
+            torch.testing.assert_close(whole, nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            for start, length in PIECES:
+                assert torch.equal(layer(x[start:start + length]), whole[start:start + length]), (start, length)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("channels, kernel, stride, size", [(3, 8, 4, 64), (32, 4, 2, 15), (64, 3, 1, 6)])
+def test_batch_invariant_conv_gives_each_image_the_bits_of_the_whole_batch(channels, kernel, stride, size, threads):
+    from policies.base import Conv2d
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        conv = Conv2d(channels, 32, kernel, stride)
+        conv.batch_invariant = True
+        x = torch.rand(120, channels, size, size, generator=torch.Generator().manual_seed(channels))
+        with torch.no_grad():
+            whole = conv(x)
+            for start, length in [(0, 1), (3, 1), (5, 7), (7, 33), (60, 60)]:
+                assert torch.equal(conv(x[start:start + length]), whole[start:start + length]), (start, length)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("name, obs_spec", [
     ("mlp", {"state": ((42,), "float32")}),
     ("mlp_tokens", {"state": ((42,), "float32")}),
@@ -111,14 +158,15 @@ def test_batch_invariant_inference_matches_any_split(name, obs_spec):
     policy = make_policy(cfg, obs_spec, 8)
     set_batch_invariant(policy)
     g = torch.Generator().manual_seed(0)
-    obs = {"state": torch.randn(16, obs_spec["state"][0][0], generator=g)}
+    n = 70  # the invariant paths work in tiles of 32 rows / 16 images: pieces cross their edges
+    obs = {"state": torch.randn(n, obs_spec["state"][0][0], generator=g)}
     if "rgb" in obs_spec:
-        obs["rgb"] = torch.randint(0, 256, (16, 64, 64, 3), dtype=torch.uint8, generator=g)
-    noise = torch.randn(16, policy.noise_dim, generator=g)
+        obs["rgb"] = torch.randint(0, 256, (n, 64, 64, 3), dtype=torch.uint8, generator=g)
+    noise = torch.randn(n, policy.noise_dim, generator=g)
     full = policy.act(obs, noise=noise)
-    for size in (1, 2, 4, 8):
+    for size in (1, 3, 8, 33):
         parts = [policy.act({k: v[i:i + size] for k, v in obs.items()}, noise=noise[i:i + size])
-                 for i in range(0, 16, size)]
+                 for i in range(0, n, size)]
         for whole, pieces in zip(full, zip(*parts, strict=True), strict=True):
             torch.testing.assert_close(torch.cat(pieces), whole, rtol=0, atol=0)
     set_batch_invariant(policy, False)  # the fast path computes the same function
