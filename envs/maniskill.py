@@ -299,14 +299,9 @@ def maniskill_obs_keys(cfg) -> dict[str, tuple[int, ...] | None]:
     return {"rgb": (cfg.image_size, cfg.image_size, 3), "state": None, "instruction": None}
 
 
-@register_env("maniskill", validate=validate_maniskill, action_dim=panda_action_dim,
-              episode_steps=lambda cfg: cfg.max_episode_steps or default_max_episode_steps(cfg.task),
-              obs_keys=maniskill_obs_keys)
-def make_maniskill(cfg, num_envs: int, num_procs: int):
-    """Build a ManiSkill VecEnv from an :class:`~embodied.config.EnvConfig`."""
-    cuda = torch.cuda.is_available()
-    sim_backend = cfg.sim_backend if cfg.sim_backend != "auto" else ("physx_cuda" if cuda else "physx_cpu")
-    spec = ManiSkillSpec(
+def maniskill_spec(cfg) -> ManiSkillSpec:
+    """What one env of the :class:`~embodied.config.EnvConfig` ``cfg`` is built from."""
+    return ManiSkillSpec(
         task=cfg.task,
         obs_mode=cfg.obs_mode,
         control_mode=cfg.control_mode,
@@ -314,8 +309,18 @@ def make_maniskill(cfg, num_envs: int, num_procs: int):
         max_episode_steps=cfg.max_episode_steps or default_max_episode_steps(cfg.task),
         image_size=cfg.image_size,
         render_size=cfg.render_size,
-        render_backend="gpu" if cuda else "cpu",
+        render_backend="gpu" if torch.cuda.is_available() else "cpu",
     )
+
+
+@register_env("maniskill", validate=validate_maniskill, action_dim=panda_action_dim,
+              episode_steps=lambda cfg: cfg.max_episode_steps or default_max_episode_steps(cfg.task),
+              obs_keys=maniskill_obs_keys)
+def make_maniskill(cfg, num_envs: int, num_procs: int):
+    """Build a ManiSkill VecEnv from an :class:`~embodied.config.EnvConfig`."""
+    cuda = torch.cuda.is_available()
+    sim_backend = cfg.sim_backend if cfg.sim_backend != "auto" else ("physx_cuda" if cuda else "physx_cpu")
+    spec = maniskill_spec(cfg)
     if sim_backend == "physx_cuda":
         return ManiSkillGPUVecEnv(spec, num_envs)
     return SubprocVecEnv(

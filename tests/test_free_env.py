@@ -74,15 +74,18 @@ def test_the_free_env_is_known_before_it_is_built_and_bad_settings_are_refused()
             check_env_config(compose(["env=free", bad]).env)
 
 
-@pytest.mark.integration  # the plain loop: one process, but a policy update of its own
-def test_the_overhead_benchs_plain_loop_accounts_for_its_iteration():
-    """The bench's upper bound runs the same recorder and update as the workers; its stages add up."""
-    from embodied.bench.overhead import BASE, COLOCATED, STAGES, markdown, plain_loop
+@pytest.mark.integration  # both loops: the plain one and the workers on Ray
+def test_the_overhead_bench_measures_both_loops_and_accounts_for_their_iterations(ray_cluster):
+    """The bench's upper bound runs the same recorder and update as the workers; the stages of each loop add
+    up to its iteration, and the table names both."""
+    from embodied.bench.overhead import STAGES, markdown, run
 
-    measured = plain_loop(compose([*BASE, "env.num_envs=8", "algorithm.rollout_steps=4", *COLOCATED]), iterations=1)
-    assert measured.env_steps_per_iteration == 32 and measured.stages["update"] > 0
-    assert sum(measured.stages[k] for k in STAGES) == pytest.approx(measured.iteration_s)
-    table = markdown({"settings": [{"setting": "s", "ways": [{"way": "plain", "iteration_s": measured.iteration_s,
-                                                                "env_steps_per_s": measured.env_steps_per_s,
-                                                                "stages": measured.stages}]}]})
-    assert "| s | " in table
+    summary = run(["state-64", "env.num_envs=8", "algorithm.rollout_steps=4", "algorithm.update_epochs=1"],
+                  iterations=1, progress=False, ways=("colocated",))
+    [way] = summary["settings"][0]["ways"]
+    for measured in (way["plain"], way["ours"]):
+        assert measured["env_steps_per_iteration"] == 32 and measured["stages"]["update"] > 0
+        assert sum(measured["stages"][k] for k in STAGES) == pytest.approx(measured["iteration_s"])
+    assert way["ratio"] == pytest.approx(way["ours"]["env_steps_per_s"] / way["plain"]["env_steps_per_s"])
+    table = markdown(summary)
+    assert "| state, B=64 | colocated | " in table and "| plain (beside colocated) |" in table
