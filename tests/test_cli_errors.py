@@ -86,6 +86,7 @@ CASES = {
     "placement: stages while colocated": (["train", "placement.pipeline_stages=2"], ["mode=hybrid"]),
     "placement: unknown mode": (["train", "placement.mode=pipelined"], ["disaggregated"]),
     "unknown benchmark": (["bench", "pipelin"], ["pipeline"]),
+    "unknown overhead setting": (["bench", "overhead", "state-4069"], ["overhead setting", "state-4096"]),
     "more actor ranks than devices": (["train", "placement.actor_workers=2", "placement.actor=0"],
                                       ["actor_workers=2", "placement.actor at least 2 devices"]),
     "batch does not split over actor ranks": (["train", "env.num_envs=6", "placement.actor_workers=4",

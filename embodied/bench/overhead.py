@@ -39,6 +39,7 @@ from tqdm import tqdm
 from embodied.algorithms.registry import make_algorithm
 from embodied.config import compose
 from embodied.workers.recorder import TrajectoryRecorder
+from envs.common import unknown_name_error
 from envs.messages import StepMessage
 from envs.registry import make_vec_env
 from policies.registry import make_policy
@@ -200,9 +201,11 @@ def interleaved(way: str, plain_cfg, ours_cfg, iterations: int) -> tuple[Measure
 
 
 def _pick(arguments: list[str]) -> tuple[list[str], list[str]]:
-    """(setting ids, config overrides) of the command line."""
-    ids = [a for a in arguments if a in SETTINGS]
-    return ids, [a for a in arguments if a not in SETTINGS]
+    """(setting ids, config overrides) of the command line; a word that is neither is refused."""
+    for word in arguments:
+        if word not in SETTINGS and "=" not in word:
+            raise unknown_name_error("overhead setting (embodied bench overhead <setting> ...)", word, list(SETTINGS))
+    return [a for a in arguments if a in SETTINGS], [a for a in arguments if a not in SETTINGS]
 
 
 def run(arguments: list[str], iterations: int = 2, out_dir: Path | None = None, progress: bool = True,

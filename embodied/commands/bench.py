@@ -1,6 +1,7 @@
 """``embodied bench <name> [overrides] [--json] [--iterations N]``: run a benchmark of
 ``embodied/bench/`` (``pipeline``: serial colocated vs pipelined, k = 1, 2, 4; ``overhead``: the train loop
-against a plain one-process loop on the free simulator) and print its table
+against a plain one-process loop on the free simulator, collection against raw simulator processes; its
+settings are named: ``embodied bench overhead state-4096 rgb64-256``) and print its table
 (or JSON); its files go to ``bench/<name>-<time>/``.
 
 A benchmark composes its own configs from the overrides (it compares several), so ``--cfg`` and
