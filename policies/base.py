@@ -135,7 +135,8 @@ class Linear(nn.Linear):
             return super().forward(x)
         rows = x.reshape(-1, self.in_features)
         tiles = _fixed_tiles(rows, ROW_TILE).view(-1, ROW_TILE, self.in_features)
-        weight, bias = _fixed_tiles(self.weight, MIN_COLUMNS), _fixed_tiles(self.bias, MIN_COLUMNS)
+        weight = _fixed_tiles(self.weight, MIN_COLUMNS)
+        bias = _fixed_tiles(self.bias, MIN_COLUMNS) if self.bias is not None else weight.new_zeros(len(weight))
         n = tiles.shape[0]
         out = torch.baddbmm(bias.expand(n, ROW_TILE, -1), tiles, weight.t().expand(n, -1, -1))
         # contiguous: a pointwise op after a strided slice takes other vector paths (last bits differ)
