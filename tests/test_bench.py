@@ -45,3 +45,17 @@ def test_bench_pipeline_json_table_and_timeline(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     table = (tmp_path / files["results.md"]).read_text()
     assert "| pipelined k=2 |" in table and "ideal speedup" in table
+
+
+@pytest.mark.slow  # ~2 min on 2 cores: raw ManiSkill processes (two 20 s rounds), then the workers
+def test_bench_overhead_real_simulator_row_measures_raw_processes_and_our_collection(tmp_path):
+    """`embodied bench overhead maniskill-cpu`: raw simulator processes and our collection both step, and the
+    ratio is theirs."""
+    proc = run_cli("bench", "overhead", "maniskill-cpu", "--json", "--iterations", "1", "env.num_envs=4",
+                   "algorithm.rollout_steps=4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = json.loads(proc.stdout)["settings"]
+    [way] = row["ways"]
+    assert way["plain"]["way"] == "raw (2 processes)" and way["plain"]["env_steps_per_s"] > 0
+    assert way["ours"]["env_steps_per_iteration"] == 16 and way["ours"]["stages"]["env"] > 0
+    assert way["ratio"] == pytest.approx(way["ours"]["env_steps_per_s"] / way["plain"]["env_steps_per_s"])
