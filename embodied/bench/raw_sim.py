@@ -22,8 +22,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from embodied.bench.overhead import Measured, WorkersLoop
+from embodied.bench.loops import Measured, WorkersLoop
 from embodied.config import compose
+from envs.rendering import ensure_vulkan_icd
 
 SIM = ["env=maniskill_pushcube", "env.sim_backend=physx_cpu", "env.num_envs=128", "env.num_procs=1",
        "policy=mlp", "placement.env_workers=2", "placement.rollout_workers=1", "placement.actor_workers=1",
@@ -33,7 +34,6 @@ SIM = ["env=maniskill_pushcube", "env.sim_backend=physx_cpu", "env.num_envs=128"
 def _raw_process(conn: Connection, env_cfg, num_envs: int, seed: int) -> None:
     """Build ``num_envs`` envs, say "ready", then step them for each number of seconds received."""
     from envs.maniskill import make_gym_env, maniskill_spec
-    from envs.rendering import ensure_vulkan_icd
 
     ensure_vulkan_icd()  # as the env processes do: SAPIEN needs a Vulkan driver even for state
     spec = maniskill_spec(env_cfg)
