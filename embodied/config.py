@@ -332,6 +332,9 @@ def validate(raw: DictConfig | dict) -> TrainConfig:
                         "Fix the override or the yaml file that sets it.") from None
     cfg = OmegaConf.to_object(merged)
     check_ranges(cfg)
+    from policies.registry import resolve_policy_settings  # torch and the policy modules: only once composed
+
+    resolve_policy_settings(cfg.policy)  # what a checkpoint records, where the config leaves it null
     return cfg
 
 

@@ -105,12 +105,19 @@ class PiConfig:
 
     variant: str = "pi0"  # a tiny network from scratch (vla.model_path null): pi0 | pi05 (a checkpoint says its own)
     # a local PaliGemma tokenizer directory (AutoTokenizer; checkpoints ship none); null: a byte-level one (tiny only)
+    # null: the tokenizer saved in the checkpoint directory, else the one its pre-processor names if a local copy is in
+    # the Hugging Face cache (nothing is downloaded); a tiny network from scratch: a byte-level one
     tokenizer_path: str | None = None
     # an openpi checkpoint's norm_stats.json; null: the one under policy.vla.model_path (lerobot's: its processor files)
     norm_stats: str | None = None
-    vision_head_dim: int = ranged(72, 1)  # SigLIP's head size (so400m: 72), which a checkpoint's tensors do not show
+    # SigLIP's head size, which a checkpoint's tensors do not show; null: its tiny_overrides.json's where it has one
+    # (tiny checkpoints built with other sizes), else so400m's 72 (every public checkpoint's)
+    vision_head_dim: int | None = ranged(None, 1)
     # prompt tokens, right-padded; null: the checkpoint's tokenizer_max_length (pi0 48, pi0.5 200), 48 without one
     max_tokens: int | None = ranged(None, 1)
+    # the size camera frames are resized (with padding) to for SigLIP; null: the checkpoint's image_resolution
+    # (openpi's: 224), 56 for a tiny network. SigLIP's patches floor what the patch size does not divide
+    image_size: int | None = ranged(None, 8)
     # pi0.5: the state's 256 bins in the prompt (lerobot's pi05; openpi's own with discrete_state_input); false:
     # openpi's pi05_libero, whose prompt is the cleaned task and a newline and which reads no state
     state_prompt: bool = True
@@ -125,8 +132,11 @@ class PiConfig:
 @dataclass
 class PolicyConfig:
     name: str = "mlp"  # registered in policies/registry.py
-    # actions per decision (an action chunk, executed open loop by the env worker; policies that chunk)
-    chunk_size: int = ranged(1, 1)
+    # a checkpoint directory, as lerobot-eval's --policy.path (every VLA family; the same as policy.vla.model_path)
+    path: str | None = None
+    # actions per decision (an action chunk, executed open loop by the env worker; policies that chunk); null: the
+    # policy's own (a pi0 checkpoint's n_action_steps, 4 for a tiny pi0, else 1)
+    chunk_size: int | None = ranged(None, 1)
     # action-token sampling temperature in training rollouts (token policies; evaluation is greedy)
     temperature: float = ranged(1.0, 0, above=True)
     net: NetConfig = field(default_factory=NetConfig)

@@ -2,7 +2,8 @@
 
 ``eval.json``'s ``provenance``: the policy (its name, ``policy.vla.model_path`` and a digest of the
 weight files there, or the checkpoint evaluated and its digest), the settings that change what the
-policy sees and does (cameras, the checkpoint family's frame and action steps, the normalisation,
+policy sees and does (cameras, the checkpoint family's frame and action steps, the denoising steps, the
+normalisation, what the checkpoint records beside the run's values,
 the env's render size, the protocol's trial count), the code (git commit, and whether the tree
 had uncommitted changes) and the versions of the libraries that compute it (an env whose processes run
 another interpreter, MetaWorld's, reports that interpreter's: ``env_python`` names it).
@@ -16,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from envs.registry import env_versions
+from policies.registry import policy_checkpoint_settings
 
 REPO = Path(__file__).resolve().parents[1]
 # the packages whose versions change what a run computes
@@ -78,6 +80,12 @@ def provenance(cfg, checkpoint: Path | None) -> dict:
                 "mirror_images": vla.mirror_images, "dataset_resize": vla.dataset_resize,
                 "center_crop": vla.center_crop, "gripper": vla.gripper, "normalization": vla.normalization,
                 "unnorm_key": vla.unnorm_key, "chunk_size": policy.chunk_size, "proprio": vla.proprio,
+                "flow": {"eval_steps": policy.flow.eval_steps, "steps": policy.flow.steps},
+                "pi": {"image_size": policy.pi.image_size, "max_tokens": policy.pi.max_tokens,
+                       "state_prompt": policy.pi.state_prompt, "resize": policy.pi.resize,
+                       "delta_actions": policy.pi.delta_actions},
+                # what the checkpoint records, the run's value beside it: a difference is an override
+                "checkpoint_settings": policy_checkpoint_settings(policy) if vla.model_path else {},
                 "env": cfg.env.task, "env_image_size": cfg.env.image_size, "rendering": cfg.env.rendering,
                 "protocol": cfg.env.protocol, "obs_mode": cfg.env.obs_mode,
                 "episodes": cfg.eval.episodes, "trials_per_task": cfg.eval.trials_per_task, "tasks": cfg.eval.tasks,

@@ -66,6 +66,21 @@ class Policy(nn.Module):
         return []
 
     @classmethod
+    def resolve_settings(cls, cfg) -> None:
+        """Fill, in place, the settings ``cfg`` leaves null to mean "the checkpoint's" or "the family's own"
+        (here ``policy.chunk_size``: 1). Runs whenever a config is composed or loaded, so every reader sees values;
+        a checkpoint that cannot be read is left for :meth:`check_config` to refuse."""
+        if cfg.chunk_size is None:
+            cfg.chunk_size = 1
+
+    @classmethod
+    def checkpoint_settings(cls, cfg) -> dict[str, dict]:
+        """What the checkpoint at ``policy.vla.model_path`` records of the settings its actions depend on:
+        ``{setting: {"value": the run's, "checkpoint": the checkpoint's, "field": where it records it}}`` (for the
+        run log and eval.json's provenance; a value unlike the checkpoint's is the user's override). None here."""
+        return {}
+
+    @classmethod
     def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
         """Raise a UserError if this policy cannot act on the env's observations (``obs_spec``, known
         once the env workers report it: checked there, before any policy worker starts)."""
@@ -177,6 +192,21 @@ def rowwise_exact(fn, x: torch.Tensor) -> torch.Tensor:
     if pad == 0 or x.device.type != "cpu":
         return fn(x)
     return fn(torch.cat([flat, flat.new_ones(pad)]))[:flat.numel()].view(x.shape)
+
+
+def get_setting(cfg, key: str):
+    """``get_setting(policy_cfg, "flow.eval_steps")`` -> ``policy_cfg.flow.eval_steps``."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def set_setting(cfg, key: str, value) -> None:
+    """``set_setting(policy_cfg, "flow.eval_steps", 4)``: the setting in place."""
+    *parents, last = key.split(".")
+    for part in parents:
+        cfg = getattr(cfg, part)
+    setattr(cfg, last, value)
 
 
 def changed_settings(section, name: str, skip: tuple[str, ...] = ()) -> list[str]:

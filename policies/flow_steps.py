@@ -29,8 +29,11 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def time_grid(steps: int) -> torch.Tensor:
-    """``[steps + 1]``: ``t_k = 1 - k / steps``, from 1 (noise) to 0 (the action)."""
-    return 1.0 - torch.arange(steps + 1, dtype=torch.float64).float() / steps
+    """``[steps + 1]``: ``t_k = 1 - k / steps``, from 1 (noise) to 0 (the action), each computed in float64 as
+    ``1 + k * (-1 / steps)`` and then cast to float32, as lerobot's and openpi's PyTorch samplers make them (in
+    float32 ``1 - k / steps`` is one ulp off theirs for 3, 5, 6, 7, 9, 10, ... steps)."""
+    dt = -1.0 / steps
+    return torch.tensor([1.0 + k * dt for k in range(steps)] + [0.0], dtype=torch.float64).float()
 
 
 def accumulated_time_grid(steps: int) -> torch.Tensor:

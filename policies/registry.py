@@ -22,6 +22,30 @@ def _import_policies() -> None:
     import policies.vla.qwen_vl  # noqa: F401
 
 
+def resolve_policy_settings(policy_cfg) -> None:
+    """Fill, in place, the settings ``policy_cfg`` leaves null ("the checkpoint's", "the family's own": the
+    class's ``resolve_settings``), after ``policy.path`` is made ``policy.vla.model_path``. An unknown policy
+    name is left for :func:`check_policy_name` to refuse."""
+    path, vla = policy_cfg.path, policy_cfg.vla
+    if path is not None and vla.model_path is not None and path != vla.model_path:
+        raise UserError(f"policy.path={path} and policy.vla.model_path={vla.model_path} name two checkpoints: "
+                        "set one (policy.path, as lerobot-eval's --policy.path).")
+    if path is not None:
+        vla.model_path = path
+    _import_policies()
+    if policy_cfg.name in POLICIES:
+        POLICIES.get(policy_cfg.name).resolve_settings(policy_cfg)
+    elif policy_cfg.chunk_size is None:
+        policy_cfg.chunk_size = 1
+
+
+def policy_checkpoint_settings(policy_cfg) -> dict[str, dict]:
+    """What the policy's checkpoint records of the settings its actions depend on, against the run's values
+    (the class's ``checkpoint_settings``): for eval.json's provenance."""
+    _import_policies()
+    return POLICIES.get(policy_cfg.name).checkpoint_settings(policy_cfg)
+
+
 def check_policy_name(name: str) -> None:
     """Raise a UserError if no policy is registered as ``name``."""
     _import_policies()

@@ -11,12 +11,30 @@ from omegaconf import OmegaConf
 
 from embodied.config import CONFIG_DIR, TrainConfig, compose, config_groups, group_option, group_option_parent
 from envs.common import UserError
+from policies.registry import resolve_policy_settings
 
 OPTIONS = [(group, option) for group, options in sorted(config_groups().items()) for option in options]
 
 
 def test_the_default_run_is_the_dataclass_defaults():
-    assert compose([]) == TrainConfig()
+    defaults = TrainConfig()
+    resolve_policy_settings(defaults.policy)  # what the schema leaves null ("the policy's own") gets its value
+    assert compose([]) == defaults and defaults.policy.chunk_size == 1
+
+
+def test_a_checkpoints_settings_fill_what_the_config_leaves_null_and_an_override_wins(tmp_path):
+    """pi0's executed actions, Euler steps, image size and prompt length are the checkpoint's config.json's
+    unless the command line sets them; ``policy.path`` is ``policy.vla.model_path``."""
+    ckpt = CONFIG_DIR.parent / "assets" / "reference" / "pi05_tiny_1cam"
+    policy = compose(["policy=pi05_tiny", f"policy.path={ckpt}"]).policy
+    assert (policy.vla.model_path, policy.chunk_size, policy.flow.eval_steps, policy.pi.image_size,
+            policy.pi.max_tokens) == (str(ckpt), 10, 10, 224, 64)  # its config.json's
+    policy = compose(["policy=pi05_tiny", f"policy.path={ckpt}", "policy.chunk_size=3", "policy.flow.eval_steps=4"]
+                     ).policy
+    assert (policy.chunk_size, policy.flow.eval_steps) == (3, 4)
+    assert compose(["policy=pi05_tiny"]).policy.chunk_size == 4  # a tiny network from scratch
+    with pytest.raises(UserError, match="name two checkpoints"):
+        compose(["policy=pi05_tiny", f"policy.path={ckpt}", f"policy.vla.model_path={tmp_path}"])
 
 
 def test_train_yaml_only_picks_the_group_options():

@@ -33,6 +33,18 @@ def test_the_time_grid_runs_from_noise_to_the_action():
     assert time_grid(4).tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
 
 
+@pytest.mark.parametrize("steps", range(1, 51))
+def test_the_time_grid_is_the_references_to_the_bit(steps):
+    """lerobot's and openpi's PyTorch samplers (``euler_integrate``): ``dt = -1.0 / num_steps`` and
+    ``time = 1.0 + step * dt`` in Python floats, each made a float32 tensor. A float32 ``1 - k / K`` is one
+    ulp off for K = 3, 5, 6, 7, 9, 10, ...: this compares every bit."""
+    dt = -1.0 / steps
+    reference = [torch.tensor(1.0 + k * dt, dtype=torch.float32) for k in range(steps)]
+    grid = time_grid(steps)
+    assert grid.dtype == torch.float32 and len(grid) == steps + 1 and grid[-1] == 0
+    assert torch.equal(grid[:-1], torch.stack(reference))
+
+
 @pytest.mark.parametrize("x, v, t, delta, a, mean, std", [
     # t = 0.5, delta = 0.25, a = 0.5: sigma = 0.5; x0_hat = 1 - 0.5 * 2 = 0, x1_hat = 1 + 0.5 * 2 = 2;
     # mean = 0.75 * 0 + (0.25 - 0.25 * 0.25 / 1) * 2 = 0.375; std = 0.5 * 0.5 = 0.25

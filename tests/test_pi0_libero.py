@@ -18,6 +18,7 @@ from envs.common import UserError
 from policies.flow_steps import accumulated_time_grid, time_grid
 from policies.pi0.inputs import pil_resize_with_pad, resize_with_pad
 from policies.registry import check_policy_config
+from policies.vla.processor import byte_tokenizer
 from tests.reference import ASSETS
 from tests.test_pi0_policy import _fixture_policy
 
@@ -81,7 +82,9 @@ def test_an_openpi_checkpoint_without_one_statistics_file_is_refused(tmp_path, b
     assert all(w in str(err.value) for w in words), str(err.value)
     stats = next((tmp_path / "pi0_tiny").rglob("norm_stats.json"), None)
     if stats is not None:  # several: the one named is used
-        check_policy_config(compose([*_overrides(ckpt), f"policy.pi.norm_stats={stats}"]).policy, 7)
+        byte_tokenizer(0).save_pretrained(tmp_path / "tokenizer")
+        check_policy_config(compose([*_overrides(ckpt), f"policy.pi.norm_stats={stats}",
+                                     f"policy.pi.tokenizer_path={tmp_path / 'tokenizer'}"]).policy, 7)
 
 
 def _overrides(ckpt) -> list[str]:

@@ -36,7 +36,7 @@ class FixtureTokenizer:
 
 def _fixture_policy(name: str, monkeypatch, **overrides):
     ref = dict(np.load(ASSETS / f"{name}_outputs.npz"))
-    monkeypatch.setattr(pi0_policy, "_tokenizer", lambda path, ckpt: FixtureTokenizer(ref))
+    monkeypatch.setattr(pi0_policy, "_tokenizer", lambda *args, **kwargs: FixtureTokenizer(ref))
     cameras = ["rgb", "wrist_rgb"][:ref["frames_u8"].shape[0]]
     cfg = compose(["policy=pi0_tiny", f"policy.vla.model_path={ASSETS / name}",
                    f"policy.vla.cameras=[{','.join(cameras)}]", "policy.pi.vision_head_dim=16",
@@ -128,7 +128,7 @@ def test_an_empty_camera_slot_is_fed_blank_and_masked_out(tmp_path, monkeypatch)
     config["input_features"]["observation.images.empty_camera_0"] = {"type": "VISUAL", "shape": [3, 224, 224]}
     (ckpt / "config.json").write_text(json.dumps(config))
     ref = dict(np.load(ASSETS / "pi05_tiny_1cam_outputs.npz"))
-    monkeypatch.setattr(pi0_policy, "_tokenizer", lambda path, c: FixtureTokenizer(ref))
+    monkeypatch.setattr(pi0_policy, "_tokenizer", lambda *args, **kwargs: FixtureTokenizer(ref))
     cfg = compose(["policy=pi0_tiny", f"policy.vla.model_path={ckpt}", "policy.pi.vision_head_dim=8",
                    "policy.flow.eval_steps=10"])
     obs = {"rgb": torch.from_numpy(ref["frames_u8"][0]), "state": torch.from_numpy(ref["state"]),
@@ -139,7 +139,8 @@ def test_an_empty_camera_slot_is_fed_blank_and_masked_out(tmp_path, monkeypatch)
     noise[:, :policy.width] = torch.from_numpy(ref["noise"]).flatten(1)
     with torch.no_grad():
         actions = policy.to_env(policy.act(obs, deterministic=True, noise=noise)[0])
-    torch.testing.assert_close(actions, torch.from_numpy(ref["actions"][:, :4]), rtol=1e-5, atol=1e-5)
+    assert cfg.policy.chunk_size == config["n_action_steps"] == 10  # the checkpoint's, as lerobot executes it
+    torch.testing.assert_close(actions, torch.from_numpy(ref["actions"][:, :10]), rtol=1e-5, atol=1e-5)
 
 
 def test_mirrored_cameras_are_the_frames_flipped_left_right(monkeypatch):
@@ -160,9 +161,8 @@ def test_other_families_settings_are_refused():
 def test_a_checkpoint_of_another_robot_is_refused(tmp_path):
     with pytest.raises(UserError, match="vision_head_dim=72 do not divide"):
         check_policy_config(compose(["policy=pi0_tiny", f"policy.vla.model_path={ASSETS / 'pi0_tiny'}",
-                                     "policy.vla.cameras=[rgb,wrist_rgb]"]).policy, 7)
-    cfg = compose(["policy=pi0_tiny", f"policy.vla.model_path={ASSETS / 'pi0_tiny'}",
-                   "policy.vla.cameras=[rgb,wrist_rgb]", "policy.pi.vision_head_dim=16"])
+                                     "policy.vla.cameras=[rgb,wrist_rgb]", "policy.pi.vision_head_dim=72"]).policy, 7)
+    cfg = compose(["policy=pi0_tiny", f"policy.path={ASSETS / 'pi0_tiny'}", "policy.vla.cameras=[rgb,wrist_rgb]"])
     with pytest.raises(UserError, match="acts in 7 dimensions"):
         check_policy_config(cfg.policy, 8)
     with pytest.raises(UserError, match="reads 2 camera"):
@@ -173,7 +173,9 @@ def test_a_checkpoint_of_another_robot_is_refused(tmp_path):
         pi0_policy.PiPolicy.check_observations(cfg.policy, spec, 7)
     with pytest.raises(UserError, match="does not observe"):
         pi0_policy.PiPolicy.check_observations(cfg.policy, {"rgb": spec["rgb"], "state": spec["state"]}, 7)
-    with pytest.raises(UserError, match="ship no tokenizer"):
+    with pytest.raises(UserError, match="holds no tokenizer .* Put the tokenizer's files .* in the checkpoint"):
+        check_policy_config(cfg.policy, 7)  # the shipped fixtures hold none, and no PaliGemma is cached here
+    with pytest.raises(UserError, match="holds no tokenizer"):
         make_policy(cfg.policy, {"rgb": ((64, 64, 3), torch.uint8), "wrist_rgb": ((64, 64, 3), torch.uint8),
                                  "state": ((8,), torch.float32)}, 7)
 

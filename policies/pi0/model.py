@@ -27,7 +27,6 @@ from transformers import SiglipVisionConfig, SiglipVisionModel
 from policies.flow_steps import ode_mean, time_grid
 from policies.pi0.transformer import GemmaStack, StackSize, additive, attention_mask_2d
 
-MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0  # the time embedding's sinusoid periods
 # what lerobot keeps in float32 when it runs the Gemma stacks in bfloat16 (to_bfloat16_for_selected_params):
 # the vision tower, the projector and every norm (the adaRMS dense layers too)
 FLOAT32_ISLANDS = ("vision_tower", "multi_modal_projector", "input_layernorm", "post_attention_layernorm", "model.norm")
@@ -67,6 +66,8 @@ class PiSize:
     max_action_dim: int = 32
     max_state_dim: int = 32
     chunk_size: int = 50
+    min_period: float = 4e-3  # the time embedding's sinusoid periods (lerobot's config.json min_period / max_period)
+    max_period: float = 4.0
 
 
 class LanguageModel(GemmaStack):
@@ -135,10 +136,11 @@ class Prefix:
         return (self.hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1.0)
 
 
-def time_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoids of ``t [B]`` -> ``[B, dim]`` (sin then cos), periods from 4e-3 to 4, in float64."""
+def time_embedding(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
+    """Sinusoids of ``t [B]`` -> ``[B, dim]`` (sin then cos), periods from ``min_period`` to ``max_period``, in
+    float64."""
     fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
-    period = MIN_PERIOD * (MAX_PERIOD / MIN_PERIOD) ** fraction
+    period = min_period * (max_period / min_period) ** fraction
     angle = (1.0 / period * 2 * math.pi)[None, :] * t[:, None]
     return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1).to(t.dtype)
 
@@ -220,7 +222,7 @@ class PiZero(nn.Module):
     def embed_suffix(self, state: torch.Tensor | None, x_t: torch.Tensor, t: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(embeddings [B, S, E], blocks [S], adaRMS condition [B, E] | None)``; ``S = H`` (+1: pi0's state)."""
-        time = time_embedding(t, self.size.expert.width)
+        time = time_embedding(t, self.size.expert.width, self.size.min_period, self.size.max_period)
         actions = self.action_in_proj(x_t)
         chunk = x_t.shape[1]
         if self.size.pi05:

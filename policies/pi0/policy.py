@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from envs.common import UserError
-from policies.base import POLICIES, changed_settings, layer_init, mlp, rowwise_exact
+from policies.base import POLICIES, changed_settings, get_setting, layer_init, mlp, rowwise_exact, set_setting
 from policies.flow_policy import FlowMatchingPolicy, time_features
 from policies.flow_steps import accumulated_time_grid
 from policies.pi0.checkpoint import PiCheckpoint, read_checkpoint
@@ -37,14 +37,17 @@ from policies.vla.processor import byte_tokenizer
 VARIANTS = ("pi0", "pi05")
 RESIZES = ("lerobot", "openpi")  # policy.pi.resize
 TIME_FEATURES = 16
+# a tiny network's settings where a checkpoint would record them (PiCheckpoint.recorded): 4 actions of each chunk,
+# the ODE's 10 Euler steps (lerobot's default), 56 px images (16 patches of 14), prompts of 48 tokens
+TINY_SETTINGS = {"chunk_size": 4, "flow.eval_steps": 10, "pi.image_size": 56, "pi.max_tokens": 48}
 # the flow-matching loss's time distribution, Beta(alpha, beta) * scale + offset (lerobot's and openpi's defaults)
 TIME_SAMPLING = {"beta_alpha": 1.5, "beta_beta": 1.0, "scale": 0.999, "offset": 0.001}
 
 
-def tiny_size(variant: str, chunk: int) -> PiSize:
-    """A network of about 0.3M parameters (56 px images: 16 patches) for CPU runs and tests."""
+def tiny_size(variant: str, chunk: int, image_size: int = 56) -> PiSize:
+    """A network of about 0.3M parameters (56 px images: 16 patches of 14) for CPU runs and tests."""
     return PiSize(pi05=variant == "pi05", vlm=StackSize(64, 2, 128, 8, 1, 16), expert=StackSize(32, 2, 64, 8, 1, 16),
-                  vision=VisionSize(32, 2, 2, 64, 14, 56), vocab_size=len(byte_tokenizer(0)), chunk_size=chunk)
+                  vision=VisionSize(32, 2, 2, 64, 14, image_size), vocab_size=len(byte_tokenizer(0)), chunk_size=chunk)
 
 
 class Features:
@@ -70,7 +73,7 @@ class PiPolicy(FlowMatchingPolicy):
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
         ckpt = _read(cfg) if cfg.vla.model_path else None
-        self.size = ckpt.size if ckpt else tiny_size(cfg.pi.variant, max(cfg.chunk_size, 4))
+        self.size = ckpt.size if ckpt else tiny_size(cfg.pi.variant, max(cfg.chunk_size, 4), cfg.pi.image_size)
         self._setup_flow(cfg, action_dim)
         self.width = self.size.chunk_size * self.size.max_action_dim  # the chain is the model's whole chunk
         self.noise_dim = (self.steps + 1) * self.width + 1
@@ -90,7 +93,7 @@ class PiPolicy(FlowMatchingPolicy):
         self.tokenizer = _tokenizer(cfg.pi.tokenizer_path, ckpt)
         config = ckpt.config if ckpt else {}
         self.time_sampling = tuple(float(config.get(f"time_sampling_{k}", d)) for k, d in TIME_SAMPLING.items())
-        self.max_tokens = cfg.pi.max_tokens or config.get("tokenizer_max_length", 48)
+        self.max_tokens, self.image_size = cfg.pi.max_tokens, cfg.pi.image_size
         width = self.size.vlm.width if self.size.pi05 else self.size.expert.width
         # RLinf's value MLP for pi0 / pi0.5: width -> width/2 -> width/4 -> width/8 -> 1, ReLU between
         self.critic = mlp([width, width // 2, width // 4, width // 8, 1], "relu", out_gain=1.0)
@@ -99,8 +102,32 @@ class PiPolicy(FlowMatchingPolicy):
         self.freeze_trunk(cfg.flow.train)
 
     @classmethod
+    def resolve_settings(cls, cfg) -> None:
+        """``policy.path`` is the checkpoint directory; what it records (:meth:`PiCheckpoint.recorded`: executed
+        actions, Euler steps, image size, prompt length) fills the settings left null, as lerobot-eval uses them;
+        a tiny network's :data:`TINY_SETTINGS` where there is no checkpoint (or it cannot be read: check_config
+        then says why)."""
+        recorded = {}
+        if cfg.vla.model_path:
+            try:
+                recorded = {key: value for key, (_, value) in _read(cfg).recorded().items()}
+            except (UserError, OSError, ValueError):
+                pass
+        for key, tiny in TINY_SETTINGS.items():
+            if get_setting(cfg, key) is None:
+                set_setting(cfg, key, recorded.get(key, tiny))
+
+    @classmethod
+    def checkpoint_settings(cls, cfg) -> dict[str, dict]:
+        if not cfg.vla.model_path:
+            return {}
+        return {f"policy.{key}": {"value": get_setting(cfg, key), "checkpoint": value, "field": field}
+                for key, (field, value) in _read(cfg).recorded().items()}
+
+    @classmethod
     def check_config(cls, cfg, action_dim: int | None) -> list[str]:
-        """The variant, the checkpoint's files and sizes, before any worker starts."""
+        """The variant, the checkpoint's files, fields and every weight's name and shape (on the meta device),
+        before any worker starts. Notes: what the checkpoint records and whether the config overrides it."""
         notes = super().check_config(cfg, action_dim)
         if cfg.pi.variant not in VARIANTS:
             raise UserError(f"policy.pi.variant={cfg.pi.variant}: pick one of {list(VARIANTS)}.")
@@ -125,7 +152,13 @@ class PiPolicy(FlowMatchingPolicy):
         if not cfg.vla.model_path:
             return notes
         ckpt = _read(cfg)
+        ckpt.check_weights()
         check_env_sizes(ckpt, None, action_dim)
+        patch, positions = ckpt.size.vision.patch, ckpt.size.vision.image_size // ckpt.size.vision.patch
+        if cfg.pi.image_size // patch != positions:
+            raise UserError(f"policy.pi.image_size={cfg.pi.image_size} makes {(cfg.pi.image_size // patch) ** 2} "
+                            f"patches of {patch} px, but {ckpt.path} holds {positions ** 2} positions: leave it null "
+                            f"(the checkpoint's image_resolution, {ckpt.size.vision.image_size}).")
         if cfg.chunk_size > ckpt.size.chunk_size:
             raise UserError(f"policy.chunk_size={cfg.chunk_size}, but {ckpt.path} predicts chunks of "
                             f"{ckpt.size.chunk_size}. Execute at most that many (its n_action_steps: "
@@ -135,8 +168,9 @@ class PiPolicy(FlowMatchingPolicy):
             raise UserError(f"policy.vla.cameras={list(cfg.vla.cameras)}, but {ckpt.path} reads "
                             f"{len(ckpt.cameras)} camera(s) ({', '.join(ckpt.cameras)}){fill}: name the env's images "
                             "in that order.")
+        _tokenizer(cfg.pi.tokenizer_path, ckpt, load=False)
         return notes + [f"pi0 checkpoint {ckpt.path} ({ckpt.layout}'s layout): {ckpt.config['type']}, chunks of "
-                        f"{ckpt.size.chunk_size}"]
+                        f"{ckpt.size.chunk_size}"] + _setting_notes(cls.checkpoint_settings(cfg))
 
     @classmethod
     def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
@@ -185,7 +219,7 @@ class PiPolicy(FlowMatchingPolicy):
 
     def heads(self, obs: dict[str, torch.Tensor]) -> tuple[Features, torch.Tensor]:
         first = obs[self.cameras[0]]
-        size = self.size.vision.image_size
+        size = self.image_size
         frames = [obs[c].flip(2) if self.mirror else obs[c] for c in self.cameras]  # [B, H, W, 3]: W is dim 2
         if self.resize == "openpi":  # resized on uint8 (the client's), then vision_input passes it through
             frames = [pil_resize_with_pad(f, size) for f in frames]
@@ -319,13 +353,39 @@ def _normalizers(ckpt: PiCheckpoint | None, obs_spec: dict, action_dim: int
     return ckpt.state, ckpt.action
 
 
-def _tokenizer(path: str | None, ckpt: PiCheckpoint | None):
-    if path is None:
-        if ckpt is not None:
-            raise UserError(f"{ckpt.path}: pi0 checkpoints ship no tokenizer. Set policy.pi.tokenizer_path to a local "
-                            "copy of PaliGemma's (google/paligemma-3b-pt-224: tokenizer.json or tokenizer.model); "
-                            "nothing is downloaded at run time.")
-        return byte_tokenizer(0)
+def _setting_notes(settings: dict[str, dict]) -> list[str]:
+    """One run-log line for what the checkpoint records, one per setting the config overrides."""
+    used = [f"{s['field']}={s['value']} ({key})" for key, s in settings.items() if s["value"] == s["checkpoint"]]
+    notes = [f"the checkpoint's {', '.join(used)}"] if used else []
+    return notes + [f"{key}={s['value']} overrides the checkpoint's {s['field']}={s['checkpoint']}"
+                    for key, s in settings.items() if s["value"] != s["checkpoint"]]
+
+
+def _tokenizer(path: str | None, ckpt: PiCheckpoint | None, load: bool = True):
+    """``policy.pi.tokenizer_path``, else the one saved in the checkpoint directory, else a local copy (the Hugging
+    Face cache, nothing downloaded) of the one its pre-processor names; a tiny network: a byte-level one.
+    ``load=False``: only check that there is one."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if path is None and ckpt is None:
+        return byte_tokenizer(0)
+    where = path or ckpt.tokenizer_dir()
+    if where is None:
+        name = ckpt.tokenizer_name()
+        if name:
+            try:
+                return AutoTokenizer.from_pretrained(name, local_files_only=True)
+            except (OSError, ValueError):
+                pass
+        raise UserError(f"{ckpt.path} holds no tokenizer (lerobot saves none; its pre-processor names "
+                        f"{name or 'PaliGemma'}'s), and no local copy of {name or 'it'} is in the Hugging Face cache. "
+                        "Put the tokenizer's files (tokenizer.json or tokenizer.model, with tokenizer_config.json) in "
+                        "the checkpoint directory, or set policy.pi.tokenizer_path to a local copy; nothing is "
+                        "downloaded at run time.")
+    if not load:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError(f"the tokenizer in {where} does not load ({str(err).splitlines()[0]}). Point "
+                        "policy.pi.tokenizer_path at a directory holding PaliGemma's tokenizer files.") from None
