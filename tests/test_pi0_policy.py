@@ -103,7 +103,46 @@ def _copy(tmp_path, name="pi0_tiny"):
     return target
 
 
+def _edit_json(name: str, **changes):
+    """A breakage: ``changes`` written into the checkpoint's ``name`` (``vision_config={...}`` merges)."""
+    def edit(d):
+        data = json.loads((d / name).read_text())
+        for key, value in changes.items():
+            data[key] = {**data[key], **value} if isinstance(value, dict) else value
+        (d / name).write_text(json.dumps(data))
+    return edit
+
+
+def _edit_tensors(change):
+    """A breakage: ``change(tensors)`` applied to model.safetensors (lerobot's names)."""
+    def edit(d):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(d / "model.safetensors")
+        change(tensors)
+        save_file(tensors, d / "model.safetensors")
+    return edit
+
+
+def _truncate(d):
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:-4096])
+
+
+EXPERT_MLP = "model.paligemma_with_expert.gemma_expert.model.layers.1.mlp."
+
+
 @pytest.mark.parametrize("breakage, words", [
+    (_edit_tensors(lambda t: t.pop(EXPERT_MLP + "down_proj.weight")),
+     ["does not hold the network", "1 weight(s) the network has are missing", "gemma_expert.model.layers.1.mlp.down"]),
+    (_edit_tensors(lambda t: t.update({"model.value_head.weight": torch.zeros(3, 4)})),
+     ["1 weight(s) in it are not the network's (value_head.weight)"]),
+    (_edit_tensors(lambda t: t.update({EXPERT_MLP + "up_proj.weight": torch.zeros(48, 32)})),
+     ["1 weight(s) have other shapes", "up_proj.weight: (48, 32) in the file, (64, 32) per the config"]),
+    (_truncate, ["model.safetensors is", "truncated", "Download it again"]),
+    (_edit_json("config.json", dtype="float16"), ["dtype='float16'", "bfloat16"]),
+    (_edit_json("config.json", image_resolution=[100, 100]), ["image_resolution 100", "positions"]),
+    (_edit_json("tiny_overrides.json", vision_config={"num_attention_heads": 5}), ["5 heads do not divide"]),
     (lambda d: (d / "policy_postprocessor_step_0_unnormalizer_processor.safetensors").unlink(),
      ["unnormalizer_processor.safetensors is missing", "Download it"]),
     (lambda d: (d / "model.safetensors").unlink(), ["no model.safetensors"]),
@@ -111,12 +150,13 @@ def _copy(tmp_path, name="pi0_tiny"):
                                                           "type": "act"})), ["not a pi0 or pi0.5 checkpoint"]),
 ])
 def test_a_broken_checkpoint_is_refused_before_workers_start(tmp_path, breakage, words):
+    """What lerobot would refuse at build time (or could not load) is refused by the driver's check: the network
+    built on the meta device against the safetensors header, the config's fields, the files it names."""
     ckpt = _copy(tmp_path)
     breakage(ckpt)
-    cfg = compose(["policy=pi0_tiny", f"policy.vla.model_path={ckpt}", "policy.vla.cameras=[rgb,wrist_rgb]",
-                   "policy.pi.vision_head_dim=16"])
     with pytest.raises(UserError) as err:
-        check_policy_config(cfg.policy, 7)
+        check_policy_config(compose(["policy=pi0_tiny", f"policy.path={ckpt}", "policy.vla.cameras=[rgb,wrist_rgb]"]
+                                    ).policy, 7)
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
