@@ -25,7 +25,8 @@ PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "mani-skill", "sapie
             "robosuite", "mujoco", "ray", "embodied-rl")
 # the files of a model directory whose bytes make the policy: weights, components, configs, tokenizer, statistics
 WEIGHT_PATTERNS = ("config.json", "*.safetensors", "pytorch_model*.bin", "*checkpoint.pt", "dataset_statistics.json",
-                   "preprocessor_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json")
+                   "preprocessor_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                   "policy_*processor.json", "tiny_overrides.json", "*/norm_stats.json", "assets/*/norm_stats.json")
 
 
 def digest(files: list[Path]) -> str:

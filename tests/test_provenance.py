@@ -35,3 +35,16 @@ def test_provenance_names_the_model_and_the_settings_that_change_what_it_sees():
     settings = what["settings"]
     assert settings["cameras"] == ["rgb", "wrist_rgb"] and settings["center_crop"] == 0.9
     assert settings["trials_per_task"] == 7 and settings["normalization"] == "bounds_q99"
+
+
+def test_a_pi0_evaluation_records_the_steps_and_what_the_checkpoint_records_beside_the_runs_values():
+    """The Euler steps, the executed actions, the image size and the prompt length: each the run's value beside
+    the checkpoint's config.json field, so an override shows."""
+    ckpt = FIXTURE.parent / "pi0_tiny_odd"
+    what = provenance(compose(["policy=pi0_tiny", f"policy.path={ckpt}", "policy.flow.eval_steps=10"]), None)
+    assert what["settings"]["flow"]["eval_steps"] == 10 and what["settings"]["pi"]["image_size"] == 100
+    recorded = what["settings"]["checkpoint_settings"]
+    assert recorded["policy.flow.eval_steps"] == {"value": 10, "checkpoint": 4, "field": "num_inference_steps"}
+    assert recorded["policy.chunk_size"] == {"value": 5, "checkpoint": 5, "field": "n_action_steps"}
+    assert {p.name for p in model_files(ckpt)} >= {"policy_preprocessor.json", "tiny_overrides.json",
+                                                   "tokenizer.json", "model.safetensors"}

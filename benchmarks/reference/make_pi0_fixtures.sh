@@ -43,4 +43,6 @@ HF_HUB_OFFLINE=1 "$refenv/bin/python" "$here/pi0_fixtures.py" all --src "$src" -
 # the same checkpoints and inputs run with lerobot's dtype="bfloat16": <name>_bf16_outputs.npz
 HF_HUB_OFFLINE=1 "$refenv/bin/python" "$here/pi0_fixtures.py" all --dtype bfloat16 --src "$src" --out assets/reference
 HF_HUB_OFFLINE=1 "$refenv/bin/python" "$here/pi0_fixtures.py" layouts --src "$src" --out assets/reference
+# pi0_tiny_odd / pi05_tiny_odd: every setting unlike lerobot's defaults, a BPE tokenizer saved in each directory
+HF_HUB_OFFLINE=1 "$refenv/bin/python" "$here/pi0_odd_fixtures.py" all --src "$src" --out assets/reference
 du -ch assets/reference/pi0*_tiny* | tail -1
