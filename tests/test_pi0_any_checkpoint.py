@@ -1,13 +1,13 @@
 """A lerobot checkpoint acts with our defaults as lerobot's ``select_action`` does, whatever its settings.
 
-The fixtures ``pi0_tiny_odd`` / ``pi05_tiny_odd`` (benchmarks/reference/pi0_odd_fixtures.py) were built and
-run by lerobot 0.6.1's own code with every setting unlike lerobot's defaults and our other fixtures: cameras
-of 120x160, 112x112 and 77x53 frames (pi0.5: 96x128, 50x70 and an empty slot), 100 px images with patches of
-16 (pi0.5: 64 px), chunks of 7 of which 5 are executed, 4 and 5 Euler steps, state 9 and action 6 padded to
-20 / 24, prompt lengths 23 and 40, other time-embedding periods, quantile statistics on pi0 and mean/std on pi0.5 (each the other's default), a
-tokenizer saved in the directory, instructions with digits, punctuation, ``_`` and ``\\n``. lerobot's run:
-its pre-processor, ``select_action`` seven times in a row (a chunk at calls 0 and 5), its post-processor.
-Here only the checkpoint's directory is given (and the env's camera keys): the rest is read from it.
+The fixtures ``pi0_tiny_odd`` / ``pi05_tiny_odd`` (benchmarks/reference/pi0_odd_fixtures.py) were built and run by
+lerobot 0.6.1's own code with every setting unlike lerobot's defaults and our other fixtures: cameras of 120x160,
+112x112 and 77x53 frames (pi0.5: 96x128, 50x70 and an empty slot), 100 px images with patches of 16 (pi0.5: 64 px),
+chunks of 7 of which 5 are executed, 4 and 5 Euler steps, state 9 and action 6 padded to 20 / 24, prompt lengths 23
+and 40, other time-embedding periods, quantile statistics on pi0 and mean/std on pi0.5 (each the other's default),
+a tokenizer saved in the directory, instructions with digits, punctuation, ``_`` and ``\\n``. lerobot's run: its
+pre-processor, ``select_action`` seven times in a row (a chunk at calls 0 and 5), its post-processor. Here only the
+checkpoint's directory is given (and the env's camera keys): the rest is read from it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ CASES = {"pi0_tiny_odd": "pi0_tiny", "pi05_tiny_odd": "pi05_tiny"}
 def _policy(name: str):
     ref = dict(np.load(ASSETS / f"{name}_outputs.npz"))
     cameras = [str(c).removeprefix("observation.images.") for c in ref["cameras"]]
-    cfg = compose([f"policy={CASES[name]}", f"policy.path={ASSETS / name}", f"policy.vla.cameras=[{','.join(cameras)}]"])
+    cfg = compose([f"policy={CASES[name]}", f"policy.path={ASSETS / name}",
+                   f"policy.vla.cameras=[{','.join(cameras)}]"])
     notes = check_policy_config(cfg.policy, ref["actions"].shape[-1])
     obs = _observation(ref, cameras, 0)
     spec = {k: (tuple(v.shape[1:]), v.dtype) for k, v in obs.items()}
