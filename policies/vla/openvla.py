@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
-from envs.common import UserError
-from policies.vla.checkpoint import read_json
-from policies.vla.vit import VisionTransformer, ViTSpec, timm_spec
+from envs.common import UserError, unknown_name_error
+from policies.vla.checkpoint import read_pretrained_config
+from policies.vla.vit import PRISMATIC_BACKBONES, VisionTransformer, ViTSpec, check_heads, timm_spec
 
 PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
 # Prismatic's llm_backbone_id values whose model is a Llama (configuration_prismatic.py); its
@@ -67,6 +67,8 @@ class OpenVLAConfig(PretrainedConfig):
     def vision_specs(self) -> list[ViTSpec]:
         if self.vit_specs:
             specs = [ViTSpec(**s) for s in self.vit_specs]
+            for i, spec in enumerate(specs):
+                check_heads(spec, f"vit_specs[{i}]")
         else:
             overrides = self.timm_overrides or [None] * len(self.timm_model_ids)
             specs = [timm_spec(i, size, o)
@@ -75,6 +77,7 @@ class OpenVLAConfig(PretrainedConfig):
 
     def check_supported(self, where: str) -> None:
         """A UserError for an option of config.json (at ``where``) this model does not implement."""
+        self._check_vision_backbone_id(where)
         llm = getattr(self, "llm_backbone_id", None)
         if llm is not None and llm not in LLAMA_BACKBONES:
             raise UserError(f"{where}: llm_backbone_id={llm!r} is not a Llama; this project builds OpenVLA's "
@@ -83,6 +86,7 @@ class OpenVLAConfig(PretrainedConfig):
         if self.text_config.model_type != "llama":
             raise UserError(f"{where}: text_config.model_type={self.text_config.model_type!r}; only 'llama' is "
                             "supported (see llm_backbone_id).")
+        check_llama_heads(self.text_config, where)
         rope = (self.text_config.rope_parameters or {}).get("rope_type", "default")
         if rope not in ROPE_TYPES:
             raise UserError(f"{where}: text_config.rope_scaling has type {rope!r}; supported: {list(ROPE_TYPES)} "
@@ -105,11 +109,34 @@ class OpenVLAConfig(PretrainedConfig):
             raise UserError(f"{where}: n_action_bins={self.n_action_bins} must be between 2 and the vocabulary's "
                             f"{self.action_vocab_size} ids. Use the checkpoint's own config.json.")
 
+    def _check_vision_backbone_id(self, where: str) -> None:
+        """Upstream's config refuses a ``vision_backbone_id`` outside Prismatic's list (configs built
+        here, with ``vit_specs``, have none)."""
+        backbone = getattr(self, "vision_backbone_id", None)
+        if backbone is not None and backbone not in PRISMATIC_BACKBONES:
+            err = unknown_name_error("Prismatic vision backbone (vision_backbone_id)", str(backbone),
+                                     list(PRISMATIC_BACKBONES))
+            raise UserError(f"{where}: {err} Upstream's OpenVLAConfig refuses it too: copy config.json again from "
+                            "the checkpoint it belongs to (every public OpenVLA and OFT checkpoint has "
+                            "dinosiglip-vit-so-224px).")
+
     @property
     def action_vocab_size(self) -> int:
         """The vocabulary whose last ``n_action_bins`` ids are the action tokens: the Llama vocabulary
         before its padding to a multiple of 64 (32000 of 32064), as ``predict_action`` computes it."""
         return self.text_config.vocab_size - self.pad_to_multiple_of
+
+
+def check_llama_heads(text: LlamaConfig, where: str) -> None:
+    """The query heads a multiple of the key-value heads: grouped-query attention repeats each key-value
+    head for a whole group, so other counts fail at the first step. (A ``hidden_size`` that is no multiple
+    of the heads transformers' LlamaConfig refuses itself, as upstream's 4.40.1 Llama does.)"""
+    heads, kv = text.num_attention_heads, text.num_key_value_heads or text.num_attention_heads
+    if kv < 1 or heads % kv:
+        raise UserError(f"{where}: text_config.num_attention_heads={heads} is not a multiple of "
+                        f"text_config.num_key_value_heads={kv}: grouped-query attention shares each key-value head "
+                        "among a whole group of query heads. Copy config.json again from the checkpoint it "
+                        "belongs to.")
 
 
 class PrismaticVisionBackbone(nn.Module):
@@ -213,12 +240,6 @@ def tiny_config(vocab_size: int, image_size: int = 64, patch: int = TINY_PATCH, 
 def read_config(model_dir: str) -> OpenVLAConfig:
     """``model_dir``'s config.json as an :class:`OpenVLAConfig`, every option checked
     (:meth:`OpenVLAConfig.check_supported`); no weights are read."""
-    path = Path(model_dir) / "config.json"
-    read_json(path)  # a file that is not JSON: said in our words, not transformers'
-    try:
-        config = OpenVLAConfig.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        raise UserError(f"{path} does not read as an OpenVLA config ({err}). Copy config.json again from the "
-                        "checkpoint it belongs to.") from err
-    config.check_supported(str(path))
+    config = read_pretrained_config(OpenVLAConfig, model_dir, "an OpenVLA")
+    config.check_supported(str(Path(model_dir) / "config.json"))
     return config

@@ -12,7 +12,6 @@ has one, ``instruction`` uint8 ``[B, L]`` (UTF-8, zero-padded: ``envs.base.instr
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,9 @@ from policies.vla.checkpoint import (
     action_bounds,
     check_model_files,
     check_normalization,
+    check_pretrained_weights,
     dataset_statistics,
+    quiet_transformers,
 )
 from policies.vla.openvla import PROMPT, TINY_PATCH, OpenVLAConfig, OpenVLAForActionPrediction, read_config, tiny_config
 from policies.vla.processor import ImageProcessing, byte_tokenizer, tokenize_prompts
@@ -169,22 +170,6 @@ class TokenVLAPolicy(TokenActionPolicy):
             block = stats.to_dict(NORMALIZATIONS[self.normalization])
             (Path(path) / STATS_FILE).write_text(json.dumps({key: {"action": block}}, indent=1))
 
-@contextmanager
-def quiet_transformers():
-    """No progress bars or advice from transformers while a checkpoint loads (every worker loads one);
-    real problems are ours to report (:func:`load_strictly`)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
-
-
 def load_strictly(model_class, model_dir: str, dtype: torch.dtype, config=None):
     """``model_class.from_pretrained`` (with ``config``, already read and checked, if given) that fails
     on any missing, unexpected or misshapen weight, naming them (transformers only warns, and a
@@ -281,6 +266,8 @@ class OpenVLAPolicy(TokenVLAPolicy):
 
     hub_id = "openvla/openvla-7b"
     normalizations = ("bounds_q99",)  # upstream OpenVLA's predict_action un-normalises with q01 / q99 only
+    # what a checkpoint directory loads into (load_strictly) and what check_config builds on the meta device
+    model_class = OpenVLAForActionPrediction
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
@@ -292,7 +279,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
 
             require_model_dir(cfg.vla.model_path, self.hub_id)
             self.checkpoint = self.read_checkpoint(cfg, action_dim)
-            self.model = load_strictly(OpenVLAForActionPrediction, cfg.vla.model_path, weights_dtype(cfg.vla.dtype),
+            self.model = load_strictly(self.model_class, cfg.vla.model_path, weights_dtype(cfg.vla.dtype),
                                        self.checkpoint.config)
             # trust_remote_code=False: config.json's auto_map names upstream's code, which we never run
             with quiet_transformers():  # it warns that config.json's model_type is not one of its own
@@ -337,7 +324,9 @@ class OpenVLAPolicy(TokenVLAPolicy):
     @classmethod
     def check_config(cls, cfg, action_dim: int | None) -> list[str]:
         """Before any worker starts: the checkpoint's files and every option in them, its
-        ``unnorm_key`` and action size. Returns the line the run log shows about the checkpoint."""
+        ``unnorm_key`` and action size, and its weights against the model its config.json builds (on
+        the meta device: :func:`check_pretrained_weights`). Returns the line the run log shows about
+        the checkpoint."""
         InputAdapter.from_config(cfg)
         weights_dtype(cfg.vla.dtype)
         cls.check_normalization(cfg.vla.normalization)
@@ -353,6 +342,7 @@ class OpenVLAPolicy(TokenVLAPolicy):
             raise UserError(f"policy.vla.image_size={cfg.vla.image_size}, but {cfg.vla.model_path}'s vision "
                             f"backbone takes {size} px images (config.json image_sizes): a checkpoint's input "
                             f"size is its own. Set policy.vla.image_size={size} (the family configs do).")
+        check_pretrained_weights(cfg.vla.model_path, lambda: cls.model_class(checkpoint.config))
         return [f"policy={cfg.name} {checkpoint.describe()}"]
 
     def _prompt_ids(self, obs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,14 @@ from transformers.image_utils import SizeDict
 
 from policies.base import POLICIES, require_model_dir
 from policies.vla.action_tokenizer import ActionStats, ActionTokenizer
-from policies.vla.checkpoint import checkpoint_action_stats
+from policies.vla.checkpoint import (
+    action_bounds,
+    check_model_files,
+    check_pretrained_weights,
+    checkpoint_action_stats,
+    dataset_statistics,
+    read_pretrained_config,
+)
 from policies.vla.policy import (
     DecodeState,
     TokenVLAPolicy,
@@ -69,6 +76,12 @@ def qwen_image_processor(model_dir: str | None, image_size: int) -> Qwen2VLImage
     return images
 
 
+def read_qwen_config(model_dir: str) -> Qwen2_5_VLConfig:
+    """``model_dir``'s config.json as the Qwen2.5-VL config ``from_pretrained`` builds the model from,
+    its dtype and activation fields checked (:func:`read_pretrained_config`); no weights are read."""
+    return read_pretrained_config(Qwen2_5_VLConfig, model_dir, "a Qwen2.5-VL")
+
+
 def tiny_tokenizer():
     tokenizer = byte_tokenizer(reserved=0)
     tokenizer.add_tokens(list(VISION_TOKENS), special_tokens=True)
@@ -80,6 +93,9 @@ class QwenVLPolicy(TokenVLAPolicy):
     """Qwen2.5-VL with added action tokens ``<|action_0|> .. <|action_255|>``."""
 
     hub_id = "Qwen/Qwen2.5-VL-3B-Instruct"
+    # what a checkpoint directory loads into, and what check_config builds on the meta device
+    model_class = Qwen2_5_VLForConditionalGeneration
+
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
         require_images(obs_spec, "qwen_vl")
@@ -88,7 +104,8 @@ class QwenVLPolicy(TokenVLAPolicy):
 
             require_model_dir(cfg.vla.model_path, self.hub_id)
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.vla.model_path)
-            self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(cfg.vla.model_path)
+            config = read_qwen_config(cfg.vla.model_path)  # what check_config built on the meta device
+            self.model = self.model_class.from_pretrained(cfg.vla.model_path, config=config)
         else:
             self.tokenizer = tiny_tokenizer()
             self.model = None
@@ -107,6 +124,21 @@ class QwenVLPolicy(TokenVLAPolicy):
                        self.model.model.language_model)
         self.image_size = cfg.vla.image_size
         self.images = qwen_image_processor(cfg.vla.model_path, cfg.vla.image_size)
+
+    @classmethod
+    def check_config(cls, cfg, action_dim: int | None) -> list[str]:
+        """Before any worker starts, for ``policy.vla.model_path``: its files, config.json (dtype and
+        activation fields, transformers' own validation), its weights against the model that config builds
+        (on the meta device: :func:`check_pretrained_weights`) and its action statistics."""
+        path = cfg.vla.model_path
+        if not path:
+            return []
+        check_model_files(path, needs_processor=False)  # without one, transformers' default image processing
+        config = read_qwen_config(path)
+        check_pretrained_weights(path, lambda: cls.model_class(config))
+        found = dataset_statistics(path, getattr(config, "norm_stats", None), cfg.vla.unnorm_key)
+        action_bounds(found, path, action_dim, cfg.vla.normalization)
+        return []
 
     def _qwen_prompts(self, obs, image_tokens: int) -> list[str]:
         start, pad, end = VISION_TOKENS

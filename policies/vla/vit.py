@@ -53,6 +53,20 @@ UNSUPPORTED_VITS = {
     "vit_large_patch14_clip_336.openai": "a CLIP ViT (pre-norm, quick-GELU, a class token with its own position)",
     "vit_large_patch16_224.augreg_in21k_ft_in1k": "an ImageNet ViT (a class token with its own position)",
 }
+DINOV2 = "vit_large_patch14_reg4_dinov2.lvd142m"
+# Prismatic's vision_backbone_id values (upstream's configuration_prismatic.py; its OpenVLAConfig refuses any
+# other) -> the timm ids they build, fused ones two
+PRISMATIC_BACKBONES = {
+    "dinov2-vit-l": (DINOV2,),
+    "siglip-vit-so400m": ("vit_so400m_patch14_siglip_224",),
+    "siglip-vit-so400m-384px": ("vit_so400m_patch14_siglip_384",),
+    "dinosiglip-vit-so-224px": (DINOV2, "vit_so400m_patch14_siglip_224"),
+    "dinosiglip-vit-so-384px": (DINOV2, "vit_so400m_patch14_siglip_384"),
+    "clip-vit-l": ("vit_large_patch14_clip_224.openai",),
+    "clip-vit-l-336px": ("vit_large_patch14_clip_336.openai",),
+    "in1k-vit-l": ("vit_large_patch16_224.augreg_in21k_ft_in1k",),
+    "dinoclip-vit-l-336px": (DINOV2, "vit_large_patch14_clip_336.openai"),
+}
 # timm keyword arguments a checkpoint may override (``timm_overrides`` in config.json) -> ViTSpec fields
 TIMM_KWARGS = {"embed_dim": "dim", "depth": "depth", "num_heads": "heads"}
 
@@ -73,7 +87,20 @@ def timm_spec(timm_id: str, image_size: int, overrides: dict | None = None) -> V
                         "keys, or the whole timm_overrides field for a full-size checkpoint.")
     fields = {TIMM_KWARGS[k]: v for k, v in (overrides or {}).items()}
     spec = replace(TIMM_VITS[timm_id], image_size=image_size, **fields)
+    check_heads(spec, f"timm_overrides for {timm_id}", names={"heads": "num_heads", "dim": "embed_dim"})
     return replace(spec, mlp_dim=int(spec.dim * MLP_RATIOS[timm_id]))
+
+
+def check_heads(spec: ViTSpec, where: str, names: dict[str, str] | None = None) -> None:
+    """Attention heads must split the width evenly (timm's Attention asserts it when it builds, and the
+    ``[B, N, heads, dim / heads]`` view here would fail at the first step); ``names``: the fields' names
+    where they are not ViTSpec's (timm's ``num_heads`` / ``embed_dim``)."""
+    names = names or {}
+    if spec.heads < 1 or spec.dim % spec.heads:
+        heads, dim = names.get("heads", "heads"), names.get("dim", "dim")
+        raise UserError(f"{where}: {heads}={spec.heads} does not divide {dim}={spec.dim} (timm refuses such a ViT "
+                        "when it builds it: each head takes an equal share of the width). Set them as the "
+                        "checkpoint's weights were trained, or copy config.json again from the checkpoint.")
 
 
 class LayerScale(nn.Module):
