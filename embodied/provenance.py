@@ -17,7 +17,6 @@ from importlib import metadata
 from pathlib import Path
 
 from envs.registry import env_versions
-from policies.registry import policy_checkpoint_settings
 
 REPO = Path(__file__).resolve().parents[1]
 # the packages whose versions change what a run computes
@@ -72,6 +71,8 @@ def versions() -> dict[str, str]:
 
 def provenance(cfg, checkpoint: Path | None) -> dict:
     """What ``cfg`` evaluates (with ``checkpoint``, a run's weights, if given), for ``eval.json``."""
+    from policies.registry import policy_checkpoint_settings  # torch: not at the CLI's import
+
     policy, vla = cfg.policy, cfg.policy.vla
     weights = {"checkpoint": str(checkpoint) if checkpoint else None,
                "checkpoint_sha256": digest([checkpoint]) if checkpoint else None,

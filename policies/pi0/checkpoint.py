@@ -46,7 +46,7 @@ from safetensors.torch import load_file
 
 from envs.common import UserError
 from policies.pi0.inputs import Normalizer
-from policies.pi0.model import PiSize, VisionSize
+from policies.pi0.model import PiSize, PiZero, VisionSize
 from policies.pi0.transformer import StackSize
 from policies.weights_check import check_weights, meta_state_shapes, safetensors_header
 
@@ -108,8 +108,6 @@ class PiCheckpoint:
     def check_weights(self) -> None:
         """The network these sizes build, on the meta device (no memory, nothing read), against every tensor
         name and shape in ``model.safetensors``'s header: missing, extra or reshaped weights are refused."""
-        from policies.pi0.model import PiZero
-
         expected = meta_state_shapes(lambda: PiZero(self.size))
         found = {n: s for n, (s, _) in our_names(safetensors_header([self.path / "model.safetensors"])).items()}
         check_weights(expected, found, str(self.path / "model.safetensors"),
