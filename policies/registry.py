@@ -30,9 +30,13 @@ def resolve_policy_settings(policy_cfg) -> None:
     if path is not None and vla.model_path is not None and path != vla.model_path:
         raise UserError(f"policy.path={path} and policy.vla.model_path={vla.model_path} name two checkpoints: "
                         "set one (policy.path, as lerobot-eval's --policy.path).")
+    _import_policies()
+    if path is not None and policy_cfg.name in POLICIES and "vla" not in POLICIES.get(policy_cfg.name).config_sections:
+        raise UserError(f"policy.path={path}: a checkpoint directory is read by the VLA families (openvla, "
+                        f"openvla_oft, qwen_vl, pi0); policy={policy_cfg.name} is trained here, and its weights "
+                        "load from checkpoint=<run_dir|file.pt>.")
     if path is not None:
         vla.model_path = path
-    _import_policies()
     if policy_cfg.name in POLICIES:
         POLICIES.get(policy_cfg.name).resolve_settings(policy_cfg)
     elif policy_cfg.chunk_size is None:
