@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
 from envs.common import UserError, unknown_name_error
@@ -79,7 +80,7 @@ def check_model_files(model_dir: str, needs_processor: bool) -> None:
     missing = []
     index = root / INDEX_FILE
     if index.exists():
-        missing += [s.name for s in weight_files(model_dir) if not s.exists()]
+        missing += [str(s.relative_to(root)) for s in weight_files(model_dir) if not s.exists()]
     elif not any((root / f).exists() for f in (WEIGHTS_FILE, "pytorch_model.bin")):
         missing.append("model.safetensors (or model.safetensors.index.json and its shards)")
     if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
@@ -189,8 +190,6 @@ def read_pretrained_config(config_class, model_dir: str, what: str):
     """``model_dir``'s config.json as ``config_class`` (transformers' parsing, the one ``from_pretrained``
     uses), after :func:`check_config_fields`: a file that does not parse, or whose values transformers'
     config validation refuses (a ``hidden_size`` no multiple of the heads), is a UserError naming it."""
-    from huggingface_hub.errors import StrictDataclassError
-
     path = Path(model_dir) / CONFIG_FILE
     check_config_fields(read_json(path), path)  # also: a file that is not JSON, said in our words
     try:
@@ -212,8 +211,8 @@ def check_config_fields(raw: dict, path: Path) -> None:
         if key in DTYPE_FIELDS and value is not None and not _is_float_dtype(value):
             raise UserError(f"{path}: {field}={value!r} is not a torch floating-point dtype (transformers reads it "
                             "as torch.<name>: float32, bfloat16, float16, float64). Set it to the dtype the weights "
-                            "are saved in (bfloat16 for the public OpenVLA checkpoints), or copy config.json again from the "
-                            "checkpoint it belongs to.")
+                            "are saved in (bfloat16 for the public OpenVLA checkpoints), or copy config.json again "
+                            "from the checkpoint it belongs to.")
         if key in ACTIVATION_FIELDS and not (isinstance(value, str) and value in ACT2FN):
             err = unknown_name_error(f"activation ({field})", str(value), list(ACT2FN))
             raise UserError(f"{path}: {err} transformers builds the layer from this name (ACT2FN), so upstream's "
@@ -325,4 +324,4 @@ def _sizes_hint(model_dir: str, expected: dict[str, tuple[int, ...]], loaded: di
         return ""
     fields = [f"{field}={value}" for field, _, value in _fields(read_json(Path(model_dir) / CONFIG_FILE))
               if type(value) is int and value in sizes]
-    return f" (config.json's sizes the weights lack: {', '.join(fields[:4])})" if fields else ""
+    return f" (config.json's fields of the sizes the weights lack: {', '.join(fields[:4])})" if fields else ""

@@ -27,6 +27,7 @@ Sequence: ``[BOS] + patches (per camera) (+ proprio) + prompt[1:] + T placeholde
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,9 +123,15 @@ def component_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Parameter name (``module.`` stripped) -> shape of a component file, without reading its data
     (memory-mapped: a 7B OFT's action head is ~0.5 GB)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # a file in torch's legacy format cannot be mapped
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a file in torch's legacy format cannot be mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        said = " ".join(str(err).split()[:12])  # torch's advice on weights_only runs for lines: its start says it
+        raise UserError(f"{path} does not read as a torch checkpoint ({type(err).__name__}: {said} ...): it is "
+                        "truncated or damaged. Download it again with the rest of the checkpoint, or copy it again "
+                        "from where the checkpoint was saved.") from None
     return {k.removeprefix("module."): tuple(v.shape) for k, v in state.items()}
 
 

@@ -51,7 +51,9 @@ class OpenVLAConfig(PretrainedConfig):
                  timm_overrides: list[dict] | None = None, image_sizes: list[int] | None = None,
                  use_fused_vision_backbone: bool = True, text_config: dict | LlamaConfig | None = None,
                  n_action_bins: int = 256, norm_stats: dict | None = None, pad_to_multiple_of: int = 64, **kwargs):
-        self.timm_model_ids = timm_model_ids or list(DINOSIGLIP)
+        # none in the file: the ones its vision_backbone_id names, as upstream's config derives them
+        backbone = PRISMATIC_BACKBONES.get(kwargs.get("vision_backbone_id"), DINOSIGLIP)
+        self.timm_model_ids = timm_model_ids or list(backbone)
         self.vit_specs = vit_specs
         self.timm_overrides = timm_overrides
         self.image_sizes = image_sizes or [224, 224]
