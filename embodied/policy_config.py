@@ -45,7 +45,8 @@ class VLAConfig:
     """``policy.vla``: vision-language-action models (policies/vla/)."""
 
     model_path: str | None = None  # a save_pretrained directory (model + tokenizer); None: a tiny model from scratch
-    dtype: str = "float32"  # the weights' dtype once loaded: float32 | bfloat16 (checkpoints ship bf16)
+    # the weights' dtype once loaded: float32 | bfloat16; null: a pi0 checkpoint's config.json dtype, else float32
+    dtype: str | None = None
     image_size: int = ranged(64, 1)  # tiny VLAs: the vision backbones' input size
     instruction: str = ""  # the language instruction where the env gives none (ManiSkill tasks)
     lora_rank: int = ranged(0, 0)  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen

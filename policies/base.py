@@ -68,10 +68,13 @@ class Policy(nn.Module):
     @classmethod
     def resolve_settings(cls, cfg) -> None:
         """Fill, in place, the settings ``cfg`` leaves null to mean "the checkpoint's" or "the family's own"
-        (here ``policy.chunk_size``: 1). Runs whenever a config is composed or loaded, so every reader sees values;
-        a checkpoint that cannot be read is left for :meth:`check_config` to refuse."""
+        (here ``policy.chunk_size``: 1; a VLA's ``policy.vla.dtype``: float32). Runs whenever a config is composed
+        or loaded, so every reader sees values; a checkpoint that cannot be read is left for :meth:`check_config`
+        to refuse."""
         if cfg.chunk_size is None:
             cfg.chunk_size = 1
+        if "vla" in cls.config_sections and cfg.vla.dtype is None:
+            cfg.vla.dtype = "float32"
 
     @classmethod
     def checkpoint_settings(cls, cfg) -> dict[str, dict]:

@@ -46,5 +46,6 @@ def test_a_pi0_evaluation_records_the_steps_and_what_the_checkpoint_records_besi
     recorded = what["settings"]["checkpoint_settings"]
     assert recorded["policy.flow.eval_steps"] == {"value": 10, "checkpoint": 4, "field": "num_inference_steps"}
     assert recorded["policy.chunk_size"] == {"value": 5, "checkpoint": 5, "field": "n_action_steps"}
+    assert recorded["policy.vla.dtype"] == {"value": "float32", "checkpoint": "float32", "field": "dtype"}
     assert {p.name for p in model_files(ckpt)} >= {"policy_preprocessor.json", "tiny_overrides.json",
                                                    "tokenizer.json", "model.safetensors"}

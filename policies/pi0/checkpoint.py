@@ -64,7 +64,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"
 # our setting <- the config.json field that records it, and lerobot's default where a config lacks it
 RECORDED = {"chunk_size": ("n_action_steps", 50), "flow.eval_steps": ("num_inference_steps", 10),
-            "pi.image_size": ("image_resolution", [224, 224]), "pi.max_tokens": ("tokenizer_max_length", None)}
+            "pi.image_size": ("image_resolution", [224, 224]), "pi.max_tokens": ("tokenizer_max_length", None),
+            "vla.dtype": ("dtype", "float32")}
 T = TypeVar("T")
 
 
@@ -80,7 +81,7 @@ class PiCheckpoint:
     action: Normalizer | None
     layout: str = "lerobot"  # or "openpi"
 
-    def recorded(self) -> dict[str, tuple[str, int]]:
+    def recorded(self) -> dict[str, tuple[str, int | str]]:
         """``{our setting: (the config.json field, its value)}`` for what the actions depend on and the checkpoint
         records (:data:`RECORDED`; an openpi checkpoint records no ``n_action_steps``: its client replans)."""
         found = {}
@@ -88,8 +89,10 @@ class PiCheckpoint:
             value = self.config.get(field, default)
             if key == "pi.max_tokens" and value is None:
                 value = OPENPI_MAX_TOKENS[self.config["type"]]
+            if isinstance(value, list):  # image_resolution: [size, size]
+                value = value[0]
             if value is not None:
-                found[key] = (field, int(value[0]) if isinstance(value, list) else int(value))
+                found[key] = (field, value)
         return found
 
     def tokenizer_dir(self) -> Path | None:

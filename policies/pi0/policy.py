@@ -38,8 +38,9 @@ VARIANTS = ("pi0", "pi05")
 RESIZES = ("lerobot", "openpi")  # policy.pi.resize
 TIME_FEATURES = 16
 # a tiny network's settings where a checkpoint would record them (PiCheckpoint.recorded): 4 actions of each chunk,
-# the ODE's 10 Euler steps (lerobot's default), 56 px images (16 patches of 14), prompts of 48 tokens
-TINY_SETTINGS = {"chunk_size": 4, "flow.eval_steps": 10, "pi.image_size": 56, "pi.max_tokens": 48}
+# the ODE's 10 Euler steps (lerobot's default), 56 px images (16 patches of 14), prompts of 48 tokens, float32
+TINY_SETTINGS = {"chunk_size": 4, "flow.eval_steps": 10, "pi.image_size": 56, "pi.max_tokens": 48,
+                 "vla.dtype": "float32"}
 # the flow-matching loss's time distribution, Beta(alpha, beta) * scale + offset (lerobot's and openpi's defaults)
 TIME_SAMPLING = {"beta_alpha": 1.5, "beta_beta": 1.0, "scale": 0.999, "offset": 0.001}
 
@@ -103,10 +104,9 @@ class PiPolicy(FlowMatchingPolicy):
 
     @classmethod
     def resolve_settings(cls, cfg) -> None:
-        """``policy.path`` is the checkpoint directory; what it records (:meth:`PiCheckpoint.recorded`: executed
-        actions, Euler steps, image size, prompt length) fills the settings left null, as lerobot-eval uses them;
-        a tiny network's :data:`TINY_SETTINGS` where there is no checkpoint (or it cannot be read: check_config
-        then says why)."""
+        """What the checkpoint records (:meth:`PiCheckpoint.recorded`: executed actions, Euler steps, image size,
+        prompt length, dtype) fills the settings left null, as lerobot-eval uses them; a tiny network's
+        :data:`TINY_SETTINGS` where there is no checkpoint (or it cannot be read: check_config then says why)."""
         recorded = {}
         if cfg.vla.model_path:
             try:
