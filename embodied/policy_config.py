@@ -47,7 +47,8 @@ class VLAConfig:
     model_path: str | None = None  # a save_pretrained directory (model + tokenizer); None: a tiny model from scratch
     # the weights' dtype once loaded: float32 | bfloat16; null: a pi0 checkpoint's config.json dtype, else float32
     dtype: str | None = None
-    image_size: int = ranged(64, 1)  # tiny VLAs: the vision backbones' input size
+    # the vision backbones' input size; null: an OpenVLA / OFT checkpoint's (config.json image_sizes), else 64
+    image_size: int | None = ranged(None, 1)
     instruction: str = ""  # the language instruction where the env gives none (ManiSkill tasks)
     lora_rank: int = ranged(0, 0)  # > 0: train LoRA adapters of this rank (peft) and the value head; the rest is frozen
     unnorm_key: str | None = None  # OpenVLA checkpoints: whose norm_stats un-normalise actions (optional if one)

@@ -34,7 +34,8 @@ def test_a_checkpoints_settings_fill_what_the_config_leaves_null_and_an_override
     assert (policy.chunk_size, policy.flow.eval_steps) == (3, 4)
     assert compose(["policy=pi05_tiny"]).policy.chunk_size == 4  # a tiny network from scratch
     oft = CONFIG_DIR.parent / "assets" / "reference" / "openvla_oft_l1_tiny"
-    assert compose(["policy=openvla_oft_tiny", f"policy.path={oft}"]).policy.vla.model_path == str(oft)
+    vla = compose(["policy=openvla_oft_tiny", f"policy.path={oft}"]).policy.vla
+    assert (vla.model_path, vla.image_size) == (str(oft), 224)  # its config.json's image_sizes (the tiny: 64)
     with pytest.raises(UserError, match="policy=mlp is trained here, and its weights load from checkpoint="):
         compose(["policy=mlp", f"policy.path={oft}"])
     with pytest.raises(UserError, match="name two checkpoints"):

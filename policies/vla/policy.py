@@ -260,6 +260,19 @@ class OpenVLACheckpoint:
                 f"Llama {text.num_hidden_layers} layers, {self.config.n_action_bins} action bins; {actions}")
 
 
+TINY_IMAGE_SIZE = 64  # a tiny model's ViTs' input size: 8 x 8 patches of TINY_PATCH
+
+
+def _recorded_image_size(model_dir: str | None) -> int | None:
+    """The first vision backbone's input size a checkpoint's config.json records (``image_sizes``), or None (no
+    checkpoint, or one whose config does not read: check_config refuses it with the reason)."""
+    try:
+        sizes = json.loads((Path(model_dir) / "config.json").read_text()).get("image_sizes") if model_dir else None
+        return int(sizes[0]) if sizes else None
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        return None
+
+
 @POLICIES.register("openvla")
 class OpenVLAPolicy(TokenVLAPolicy):
     """OpenVLA: action bins are the last ``n_action_bins`` ids of the vocabulary before its padding."""
@@ -310,6 +323,20 @@ class OpenVLAPolicy(TokenVLAPolicy):
         return OpenVLACheckpoint(cfg.vla.model_path, config, images, found, actions, cfg.vla.normalization)
 
     @classmethod
+    def resolve_settings(cls, cfg) -> None:
+        """``policy.vla.image_size`` left null: the checkpoint's (config.json ``image_sizes``), 64 for a tiny model
+        (or a checkpoint that cannot be read: check_config says why)."""
+        super().resolve_settings(cfg)
+        if cfg.vla.image_size is None:
+            cfg.vla.image_size = _recorded_image_size(cfg.vla.model_path) or TINY_IMAGE_SIZE
+
+    @classmethod
+    def checkpoint_settings(cls, cfg) -> dict[str, dict]:
+        size = _recorded_image_size(cfg.vla.model_path)
+        return {"policy.vla.image_size": {"value": cfg.vla.image_size, "checkpoint": size, "field": "image_sizes"}
+                } if size else {}
+
+    @classmethod
     def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
         require_images(obs_spec, cfg.name, cfg.vla.cameras)
 
@@ -334,14 +361,15 @@ class OpenVLAPolicy(TokenVLAPolicy):
             if cfg.vla.image_size < TINY_PATCH:
                 raise UserError(f"policy.vla.image_size={cfg.vla.image_size}: the tiny {cfg.name} model's ViTs "
                                 f"cut images into {TINY_PATCH} px patches, so they need at least {TINY_PATCH} px "
-                                "(64 is the tiny configs' size). Set policy.vla.image_size to 8 or more.")
+                                f"({TINY_IMAGE_SIZE} is the tiny configs' size). Set policy.vla.image_size to "
+                                f"{TINY_PATCH} or more.")
             return []
         checkpoint = cls.read_checkpoint(cfg, action_dim)
         size = checkpoint.config.image_sizes[0]
         if cfg.vla.image_size != size:
             raise UserError(f"policy.vla.image_size={cfg.vla.image_size}, but {cfg.vla.model_path}'s vision "
                             f"backbone takes {size} px images (config.json image_sizes): a checkpoint's input "
-                            f"size is its own. Set policy.vla.image_size={size} (the family configs do).")
+                            f"size is its own. Leave policy.vla.image_size unset (null: the checkpoint's).")
         check_pretrained_weights(cfg.vla.model_path, lambda: cls.model_class(checkpoint.config))
         return [f"policy={cfg.name} {checkpoint.describe()}"]
 

@@ -30,6 +30,7 @@ from policies.vla.checkpoint import (
     read_pretrained_config,
 )
 from policies.vla.policy import (
+    TINY_IMAGE_SIZE,
     DecodeState,
     TokenVLAPolicy,
     instructions_of,
@@ -95,6 +96,14 @@ class QwenVLPolicy(TokenVLAPolicy):
     hub_id = "Qwen/Qwen2.5-VL-3B-Instruct"
     # what a checkpoint directory loads into, and what check_config builds on the meta device
     model_class = Qwen2_5_VLForConditionalGeneration
+
+    @classmethod
+    def resolve_settings(cls, cfg) -> None:
+        """``policy.vla.image_size`` left null: 64 (its checkpoints record pixel bounds, not a size: the image
+        processor's longest edge is capped at its square)."""
+        super().resolve_settings(cfg)
+        if cfg.vla.image_size is None:
+            cfg.vla.image_size = TINY_IMAGE_SIZE
 
     def __init__(self, cfg, obs_spec: dict, action_dim: int):
         super().__init__()
