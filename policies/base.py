@@ -212,12 +212,19 @@ def set_setting(cfg, key: str, value) -> None:
     setattr(cfg, last, value)
 
 
+# the defaults of keys that are now null ("the checkpoint's"), which configs saved before then still carry (a run's
+# config.yaml, a checkpoint's config_yaml, the shipped warm starts): not a setting anybody made
+FORMER_DEFAULTS = {"vla.dtype": "float32", "vla.image_size": 64}
+
+
 def changed_settings(section, name: str, skip: tuple[str, ...] = ()) -> list[str]:
     """``policy.<name>.<key>=<value>`` for each key of the config ``section`` (a dataclass) set to other than
-    its default, leaving out the keys in ``skip``: settings a policy does not read are refused with these."""
+    its default (or its :data:`FORMER_DEFAULTS` value), leaving out the keys in ``skip``: settings a policy does not
+    read are refused with these."""
     default = type(section)()
-    return [f"policy.{name}.{key.name}={getattr(section, key.name)}" for key in dataclasses.fields(section)
-            if key.name not in skip and getattr(section, key.name) != getattr(default, key.name)]
+    return [f"policy.{name}.{key.name}={value}" for key in dataclasses.fields(section) if key.name not in skip
+            and (value := getattr(section, key.name)) != getattr(default, key.name)
+            and (f"{name}.{key.name}" not in FORMER_DEFAULTS or value != FORMER_DEFAULTS[f"{name}.{key.name}"])]
 
 
 def set_batch_invariant(module: nn.Module, enabled: bool = True) -> None:

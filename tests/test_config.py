@@ -9,9 +9,17 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from embodied.config import CONFIG_DIR, TrainConfig, compose, config_groups, group_option, group_option_parent
+from embodied.config import (
+    CONFIG_DIR,
+    TrainConfig,
+    compose,
+    config_groups,
+    group_option,
+    group_option_parent,
+    validate,
+)
 from envs.common import UserError
-from policies.registry import resolve_policy_settings
+from policies.registry import check_policy_config, resolve_policy_settings
 
 OPTIONS = [(group, option) for group, options in sorted(config_groups().items()) for option in options]
 
@@ -20,6 +28,17 @@ def test_the_default_run_is_the_dataclass_defaults():
     defaults = TrainConfig()
     resolve_policy_settings(defaults.policy)  # what the schema leaves null ("the policy's own") gets its value
     assert compose([]) == defaults and defaults.policy.chunk_size == 1
+
+
+def test_a_config_saved_before_keys_became_null_is_still_a_valid_mlp_run():
+    """Configs saved when ``policy.vla.dtype`` / ``image_size`` defaulted to float32 / 64 (the shipped warm start's,
+    old runs') carry those values in a section mlp does not read: not settings anybody made."""
+    raw = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+    raw["policy"]["vla"].update(dtype="float32", image_size=64)
+    check_policy_config(validate(raw).policy, 4)
+    raw["policy"]["vla"].update(image_size=32)
+    with pytest.raises(UserError, match="policy.vla.image_size=32: policy=mlp reads policy.net"):
+        check_policy_config(validate(raw).policy, 4)
 
 
 def test_a_checkpoints_settings_fill_what_the_config_leaves_null_and_an_override_wins(tmp_path):
