@@ -106,9 +106,9 @@ class PiConfig:
     ``instruction``) and ``policy.flow`` (the chain RL samples; ``eval_steps``: the checkpoint's 10 Euler steps)."""
 
     variant: str = "pi0"  # a tiny network from scratch (vla.model_path null): pi0 | pi05 (a checkpoint says its own)
-    # a local PaliGemma tokenizer directory (AutoTokenizer; checkpoints ship none); null: a byte-level one (tiny only)
-    # null: the tokenizer saved in the checkpoint directory, else the one its pre-processor names if a local copy is in
-    # the Hugging Face cache (nothing is downloaded); a tiny network from scratch: a byte-level one
+    # a local PaliGemma tokenizer directory (AutoTokenizer); null: the tokenizer saved in the checkpoint directory,
+    # else a local copy in the Hugging Face cache of the one its pre-processor names (nothing is downloaded); a tiny
+    # network from scratch: a byte-level one
     tokenizer_path: str | None = None
     # an openpi checkpoint's norm_stats.json; null: the one under policy.vla.model_path (lerobot's: its processor files)
     norm_stats: str | None = None

@@ -79,6 +79,7 @@ class PiCheckpoint:
     size: PiSize
     state: Normalizer | None
     action: Normalizer | None
+    shapes: dict[str, torch.Size]  # model.safetensors' tensors by our names, from its header
     layout: str = "lerobot"  # or "openpi"
 
     def recorded(self) -> dict[str, tuple[str, int | str]]:
@@ -112,8 +113,7 @@ class PiCheckpoint:
         """The network these sizes build, on the meta device (no memory, nothing read), against every tensor
         name and shape in ``model.safetensors``'s header: missing, extra or reshaped weights are refused."""
         expected = meta_state_shapes(lambda: PiZero(self.size))
-        found = {n: s for n, (s, _) in our_names(safetensors_header([self.path / "model.safetensors"])).items()}
-        check_weights(expected, found, str(self.path / "model.safetensors"),
+        check_weights(expected, {n: tuple(s) for n, s in self.shapes.items()}, str(self.path / "model.safetensors"),
                       f"a {self.config['type']} network of these sizes has them; the file is another network's or "
                       "was written wrong: use the checkpoint's own model.safetensors, saved by lerobot "
                       "(save_pretrained) or openpi's converter")
@@ -179,7 +179,7 @@ def read_checkpoint(path: str | Path, vision_head_dim: int | None = None, norm_s
         state, action = _normalizers(path, config["type"])
     _check_fields(path / "config.json", config)
     size = size_from_shapes(shapes, config, *_head_sizes(path, vision_head_dim), source=str(weights))
-    return PiCheckpoint(path, config, size, state, action, "openpi" if openpi else "lerobot")
+    return PiCheckpoint(path, config, size, state, action, shapes, "openpi" if openpi else "lerobot")
 
 
 def _openpi(path: Path, config: dict, shapes: dict[str, torch.Size], norm_stats: str | Path | None

@@ -119,10 +119,7 @@ class PiPolicy(FlowMatchingPolicy):
 
     @classmethod
     def checkpoint_settings(cls, cfg) -> dict[str, dict]:
-        if not cfg.vla.model_path:
-            return {}
-        return {f"policy.{key}": {"value": get_setting(cfg, key), "checkpoint": value, "field": field}
-                for key, (field, value) in _read(cfg).recorded().items()}
+        return _settings_beside(cfg, _read(cfg)) if cfg.vla.model_path else {}
 
     @classmethod
     def check_config(cls, cfg, action_dim: int | None) -> list[str]:
@@ -170,7 +167,7 @@ class PiPolicy(FlowMatchingPolicy):
                             "in that order.")
         _tokenizer(cfg.pi.tokenizer_path, ckpt, load=False)
         return notes + [f"pi0 checkpoint {ckpt.path} ({ckpt.layout}'s layout): {ckpt.config['type']}, chunks of "
-                        f"{ckpt.size.chunk_size}"] + _setting_notes(cls.checkpoint_settings(cfg))
+                        f"{ckpt.size.chunk_size}"] + _setting_notes(_settings_beside(cfg, ckpt))
 
     @classmethod
     def check_observations(cls, cfg, obs_spec: dict, action_dim: int) -> None:
@@ -351,6 +348,12 @@ def _normalizers(ckpt: PiCheckpoint | None, obs_spec: dict, action_dim: int
         return None, None
     check_env_sizes(ckpt, obs_spec, action_dim)
     return ckpt.state, ckpt.action
+
+
+def _settings_beside(cfg, ckpt: PiCheckpoint) -> dict[str, dict]:
+    """What ``ckpt`` records, each beside the run's value (:meth:`PiPolicy.checkpoint_settings`)."""
+    return {f"policy.{key}": {"value": get_setting(cfg, key), "checkpoint": value, "field": field}
+            for key, (field, value) in ckpt.recorded().items()}
 
 
 def _setting_notes(settings: dict[str, dict]) -> list[str]:

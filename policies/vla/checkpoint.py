@@ -73,6 +73,16 @@ def read_json(path: Path) -> dict:
                         "belongs to.") from err
 
 
+def recorded_image_size(model_dir: str | None) -> int | None:
+    """The first vision backbone's input size an OpenVLA checkpoint's config.json records (``image_sizes``), or
+    None (no checkpoint, or one whose config does not read: check_config refuses it with the reason)."""
+    try:
+        sizes = read_json(Path(model_dir) / CONFIG_FILE).get("image_sizes") if model_dir else None
+        return int(sizes[0]) if sizes else None
+    except (UserError, OSError, ValueError, TypeError, IndexError, AttributeError):
+        return None
+
+
 def check_model_files(model_dir: str, needs_processor: bool) -> None:
     """A UserError naming every file a checkpoint directory lacks: the weights (every shard its
     index names), a tokenizer and, for OpenVLA-style models, ``preprocessor_config.json``."""

@@ -34,6 +34,7 @@ from policies.vla.checkpoint import (
     check_pretrained_weights,
     dataset_statistics,
     quiet_transformers,
+    recorded_image_size,
 )
 from policies.vla.openvla import PROMPT, TINY_PATCH, OpenVLAConfig, OpenVLAForActionPrediction, read_config, tiny_config
 from policies.vla.processor import ImageProcessing, byte_tokenizer, tokenize_prompts
@@ -263,16 +264,6 @@ class OpenVLACheckpoint:
 TINY_IMAGE_SIZE = 64  # a tiny model's ViTs' input size: 8 x 8 patches of TINY_PATCH
 
 
-def _recorded_image_size(model_dir: str | None) -> int | None:
-    """The first vision backbone's input size a checkpoint's config.json records (``image_sizes``), or None (no
-    checkpoint, or one whose config does not read: check_config refuses it with the reason)."""
-    try:
-        sizes = json.loads((Path(model_dir) / "config.json").read_text()).get("image_sizes") if model_dir else None
-        return int(sizes[0]) if sizes else None
-    except (OSError, ValueError, TypeError, IndexError, AttributeError):
-        return None
-
-
 @POLICIES.register("openvla")
 class OpenVLAPolicy(TokenVLAPolicy):
     """OpenVLA: action bins are the last ``n_action_bins`` ids of the vocabulary before its padding."""
@@ -328,11 +319,11 @@ class OpenVLAPolicy(TokenVLAPolicy):
         (or a checkpoint that cannot be read: check_config says why)."""
         super().resolve_settings(cfg)
         if cfg.vla.image_size is None:
-            cfg.vla.image_size = _recorded_image_size(cfg.vla.model_path) or TINY_IMAGE_SIZE
+            cfg.vla.image_size = recorded_image_size(cfg.vla.model_path) or TINY_IMAGE_SIZE
 
     @classmethod
     def checkpoint_settings(cls, cfg) -> dict[str, dict]:
-        size = _recorded_image_size(cfg.vla.model_path)
+        size = recorded_image_size(cfg.vla.model_path)
         return {"policy.vla.image_size": {"value": cfg.vla.image_size, "checkpoint": size, "field": "image_sizes"}
                 } if size else {}
 
