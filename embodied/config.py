@@ -114,10 +114,13 @@ class RayConfig:
 
 @dataclass
 class EvalConfig:
-    episodes: int = ranged(100, 1)  # ManiSkill: episodes, seeds seed, seed + 1, ... (LIBERO: see trials_per_task)
+    # how many episodes; null: the protocol's (ManiSkill: 100, seeds seed, seed + 1, ...; a suite, LIBERO or
+    # MetaWorld: trials_per_task of each task). On a suite, a number takes that many of the protocol's episodes
+    # trial by trial across its tasks (trial 0 of every task, then trial 1, ...)
+    episodes: int | None = ranged(None, 1)
     seed: int = ranged(1_000_000, 0)  # ManiSkill: episode k is reset with seed + k
-    trials_per_task: int = ranged(50, 1)  # LIBERO: episodes per task, from its first N stored init states (50 = all)
-    tasks: list[int] | None = None  # LIBERO: only these task indices (None: the whole suite, the published protocol)
+    trials_per_task: int = ranged(50, 1)  # a suite: episodes per task (LIBERO: its first N stored inits, 50 = all)
+    tasks: list[int] | None = None  # a suite: only these task indices (None: the whole suite, the published protocol)
     deterministic: bool = True  # mean action instead of a sample (else a sample from noise seeded by the episode)
     # rebuild each env's scene at every evaluation reset (ManiSkill's protocol), so an episode depends
     # only on its seed and the weights; false saves ~0.3 s per env and evaluation on CPU, but the

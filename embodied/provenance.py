@@ -16,7 +16,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from envs.registry import env_versions
+from envs.registry import env_versions, seed_scheme
 
 REPO = Path(__file__).resolve().parents[1]
 # the packages whose versions change what a run computes
@@ -90,7 +90,8 @@ def provenance(cfg, checkpoint: Path | None) -> dict:
                 "checkpoint_settings": policy_checkpoint_settings(policy) if vla.model_path else {},
                 "env": cfg.env.task, "env_image_size": cfg.env.image_size, "rendering": cfg.env.rendering,
                 "protocol": cfg.env.protocol, "obs_mode": cfg.env.obs_mode,
-                "episodes": cfg.eval.episodes, "trials_per_task": cfg.eval.trials_per_task, "tasks": cfg.eval.tasks,
+                "episodes": len(seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)),  # the number run
+                "trials_per_task": cfg.eval.trials_per_task, "tasks": cfg.eval.tasks,
                 "deterministic": cfg.eval.deterministic}
     return {"weights": weights, "settings": settings, "code": code_version(),
             "versions": {**versions(), **env_versions(cfg.env)}}

@@ -9,7 +9,9 @@ Layout of a training run ``D`` (README, "Run directory")::
     D/records/<checkpoint>-<time>/     what each ``embodied record`` wrote
 
 Every new directory is made with ``mkdir`` (never ``exist_ok``), so two commands started in
-the same second, or at once, get two directories. Files are written whole (tmp + rename).
+the same second, or at once, get two directories; a directory a command writes is held by it alone
+(embodied/run_owner.py), so a second command naming the same ``runner.run_dir`` is refused. Files are
+written whole (tmp + rename).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from embodied import run_owner
 from embodied.checkpoint import atomic_write
 from envs.common import UserError
 
@@ -71,8 +75,9 @@ def written_whole(final: Path) -> Iterator[Path]:
 
 
 def check_claimable(explicit: str | None, what: str) -> None:
-    """Refuse ``runner.run_dir`` now if it holds results (:func:`claim_dir` would, but only later)."""
-    if explicit is not None and holds_results(Path(explicit)):
+    """Take ``runner.run_dir`` now, refusing it if another command holds it or it holds results
+    (:func:`claim_dir` would, but only later: eval and record make their directory at the end)."""
+    if explicit is not None:
         claim_dir(explicit, Path("runs"), "", what)
 
 
@@ -81,17 +86,23 @@ def stamp() -> str:
 
 
 def claim_dir(explicit: str | None, parent: Path, name: str, what: str) -> Path:
-    """The directory a command writes: ``explicit`` (``runner.run_dir``) if given, refused if it
-    already holds a run or results; else a new ``parent/name-<time>``."""
+    """The directory a command writes, held by this process until it ends (embodied/run_owner.py):
+    ``explicit`` (``runner.run_dir``) if given, refused if another command holds it or it already
+    holds a run or results; else a new ``parent/name-<time>``."""
     if explicit is None:
-        return make_unique_dir(parent, f"{name}-{stamp()}")
+        path = make_unique_dir(parent, f"{name}-{stamp()}")
+        run_owner.take(path, what, created=True)
+        return path
     path = Path(explicit)
+    note = run_owner.take(path, what)  # first: from here on nobody else writes it
     if holds_results(path):
+        run_owner.release(path)
         found = ", ".join(n for n in RESULT_FILES if (path / n).exists())
         raise UserError(f"runner.run_dir={explicit} already holds results ({found}): {what} would overwrite "
                         "them. Name a new directory, leave runner.run_dir unset (a fresh one is made), or "
                         "continue that training run with `embodied train resume=<dir>`.")
-    path.mkdir(parents=True, exist_ok=True)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return path
 
 

@@ -23,7 +23,7 @@ from embodied.checkpoint import (
     Progress,
     checkpoint_state,
     load_checkpoint,
-    resolve_checkpoint,
+    newest_checkpoint,
     save_best_checkpoint,
     save_checkpoint,
 )
@@ -211,8 +211,9 @@ class Trainer:
         weights) and roll progress back to it. Returns (iterations lost, what was done)."""
         p = self.progress
         try:
-            path = resolve_checkpoint(self.run_dir)
-            state, restored = load_checkpoint(path), f"actor group restored from {path.name}"
+            path, state, skipped = newest_checkpoint(self.run_dir)
+            restored = f"actor group restored from {path.name}"
+            restored += "".join(f" (passed over {s.describe()})" for s in skipped)
         except UserError:
             path, state, restored = None, self.warm_start, "actor group restarted from the starting weights"
         if path is not None:

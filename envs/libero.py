@@ -36,7 +36,7 @@ import numpy as np
 
 from envs.base import encode_instructions
 from envs.common import UserError, unknown_name_error
-from envs.registry import SeedScheme, register_env, task_subset
+from envs.registry import SeedScheme, register_env, suite_eval_seeds, task_subset
 from envs.subproc import SubprocVecEnv
 
 INIT_STRIDE = 1000  # seeds per task: init states 0..999
@@ -278,7 +278,7 @@ class LiberoSeeds(SeedScheme):
             raise UserError(f"eval.trials_per_task={eval_cfg.trials_per_task}: {env_cfg.task} stores {stored} init "
                             f"states per task, and each trial is one of them. Set eval.trials_per_task={stored} "
                             "(the published protocol) or fewer.")
-        return [episode_seed(t, i) for t in tasks for i in range(eval_cfg.trials_per_task)]
+        return suite_eval_seeds(list(tasks), eval_cfg.trials_per_task, eval_cfg.episodes, episode_seed, env_cfg.task)
 
     def task_of(self, env_cfg, seed: int) -> tuple[int, str]:
         task_index = decode_seed(seed)[0]

@@ -35,7 +35,7 @@ from envs.metaworld_sim import (
     episode_seed,
     make_metaworld_env,
 )
-from envs.registry import SeedScheme, register_env, task_subset
+from envs.registry import SeedScheme, register_env, suite_eval_seeds, task_subset
 from envs.subproc import EnvShape, SubprocVecEnv
 
 TASKS_FILE = REPO_ROOT / "assets" / "metaworld" / "tasks.json"
@@ -182,7 +182,7 @@ class MetaWorldSeeds(SeedScheme):
         if eval_cfg.trials_per_task > TRAIN_TRIALS:
             raise UserError(f"eval.trials_per_task={eval_cfg.trials_per_task}: MetaWorld evaluations own trials "
                             f"0..{TRAIN_TRIALS - 1} of each task; set at most {TRAIN_TRIALS}.")
-        return [episode_seed(t, k) for t in tasks for k in range(eval_cfg.trials_per_task)]
+        return suite_eval_seeds(list(tasks), eval_cfg.trials_per_task, eval_cfg.episodes, episode_seed, env_cfg.task)
 
     def task_of(self, env_cfg, seed: int) -> tuple[int, str]:
         task_index = decode_seed(seed)[0]

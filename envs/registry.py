@@ -14,6 +14,7 @@ from collections.abc import Callable
 from envs.common import Registry, UserError
 from envs.seeds import PROTOCOL_LIMIT, RunSeeds
 
+DEFAULT_EVAL_EPISODES = 100  # eval.episodes=null on a single-task env (ManiSkill's protocol)
 ENV_BACKENDS: dict[str, Callable] = {}
 ENV_VALIDATORS: dict[str, Callable] = {}
 
@@ -37,16 +38,34 @@ class SeedScheme:
             raise UserError(f"eval.tasks={list(eval_cfg.tasks)} picks tasks of a suite, but env.task="
                             f"{env_cfg.task!r} is a single task: leave eval.tasks null (eval.episodes "
                             "sets how many episodes it runs).")
-        if not 0 <= eval_cfg.seed <= PROTOCOL_LIMIT - eval_cfg.episodes:
-            raise UserError(f"eval.seed={eval_cfg.seed} with eval.episodes={eval_cfg.episodes} leaves the "
+        episodes = DEFAULT_EVAL_EPISODES if eval_cfg.episodes is None else eval_cfg.episodes
+        if not 0 <= eval_cfg.seed <= PROTOCOL_LIMIT - episodes:
+            raise UserError(f"eval.seed={eval_cfg.seed} with eval.episodes={episodes} leaves the "
                             f"seeds [0, 2^31) that evaluations own (above them are training's and "
                             "validation's, envs/seeds.py): pick an eval.seed in "
-                            f"[0, {PROTOCOL_LIMIT - eval_cfg.episodes}].")
-        return [eval_cfg.seed + k for k in range(eval_cfg.episodes)]
+                            f"[0, {PROTOCOL_LIMIT - episodes}].")
+        return [eval_cfg.seed + k for k in range(episodes)]
 
     def task_of(self, env_cfg, seed: int) -> tuple[int, str]:
         """(task index, task name) of the episode ``seed`` (for per-task tables)."""
         return 0, env_cfg.task
+
+
+def suite_eval_seeds(tasks: list[int], trials_per_task: int, episodes: int | None,
+                     episode_seed: Callable[[int, int], int], suite: str) -> list[int]:
+    """A suite's evaluation episodes, task by task: trials 0 .. ``trials_per_task`` - 1 of each of ``tasks``
+    (the published protocol). ``episodes`` (``eval.episodes``) set: exactly that many of them, taken trial by
+    trial across the tasks (trial 0 of every task, then trial 1, ...) so that every task gets its share;
+    still run task by task."""
+    protocol = len(tasks) * trials_per_task
+    if episodes is None:
+        episodes = protocol
+    if episodes > protocol:
+        raise UserError(f"eval.episodes={episodes}: {suite} evaluates {trials_per_task} trials of each of "
+                        f"{len(tasks)} tasks, {protocol} episodes. Set eval.episodes={protocol} or fewer (or null "
+                        "for all), or raise eval.trials_per_task.")
+    trial_by_trial = [(task, trial) for trial in range(trials_per_task) for task in tasks][:episodes]
+    return [episode_seed(task, trial) for task, trial in sorted(trial_by_trial)]
 
 
 def task_subset(tasks, suite: str, num_tasks: int) -> list[int]:

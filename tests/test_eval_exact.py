@@ -1,6 +1,6 @@
 """Evaluation to the episode: a run's own final evaluation and a fresh ``embodied eval`` of its
 checkpoint give the same rows, whatever the training left in the simulators, after a SIGKILL
-and ``resume=``, and however the evaluation is laid out over workers and processes
+and ``resume=`` past a damaged checkpoint, and however the evaluation is laid out over workers and processes
 (docs/seeds.md)."""
 
 import json
@@ -61,12 +61,18 @@ def test_killed_and_resumed_run_evaluates_as_a_fresh_eval_row_for_row(tmp_path, 
          "runner.stop_at_success=null", "runner.checkpoint_every=1", "eval.episodes=48", "eval.video_episodes=0",
          "runner.progress=false", f"runner.run_dir={run_dir}"],
         run_dir / "checkpoints" / "ckpt_000003.pt")
-    killed_at = load_checkpoint(run_dir)["progress"]
     for ckpt in (run_dir / "checkpoints").glob("ckpt_*.pt"):
         torch.load(ckpt, weights_only=False)  # every file on disk is complete
+    # then the newest is damaged (a disk that filled, a copy cut short): resume= goes on from the one before
+    newest = sorted((run_dir / "checkpoints").glob("ckpt_*.pt"))[-1]
+    newest.write_bytes(newest.read_bytes()[:1000])
+    killed_at = load_checkpoint(run_dir)["progress"]
+    assert killed_at["iteration"] == int(newest.stem.split("_")[1]) - 1
     target = (killed_at["iteration"] + resumed_iterations) * STEPS_PER_ITERATION
     proc = run_cli("train", f"resume={run_dir}", f"runner.total_env_steps={target}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"passed over {newest.name}" in proc.stderr
+    assert (next((run_dir / "checkpoints").glob("broken-*")) / newest.name).stat().st_size == 1000  # kept
     resumed = load_checkpoint(run_dir)["progress"]
     assert resumed["iteration"] == killed_at["iteration"] + resumed_iterations and resumed["env_steps"] == target
     assert resumed["train_seconds"] > killed_at["train_seconds"]

@@ -16,6 +16,7 @@ from embodied.evaluate import (
     wilson_interval,
 )
 from embodied.runner import start_workers
+from envs.common import UserError
 from envs.libero import decode_seed, episode_seed
 from envs.registry import seed_scheme, training_reset_seeds
 from envs.seeds import RunSeeds
@@ -32,6 +33,26 @@ def test_libero_eval_seeds_are_every_task_init_pair_once_grouped_by_task():
     cfg.eval.tasks, cfg.eval.trials_per_task = [7, 2, 7], 3  # a subset: sorted, each task once
     assert [decode_seed(s) for s in seed_scheme(cfg.env).eval_seeds(cfg.env, cfg.eval)] == \
         [(t, i) for t in (2, 7) for i in range(3)]
+
+
+@pytest.mark.parametrize("env, tasks", [("libero_spatial", 10), ("metaworld_mt1", 1), ("metaworld_mt10", 10)])
+def test_a_suite_runs_exactly_eval_episodes_spread_over_its_tasks(env, tasks):
+    """``eval.episodes`` on a suite: that many of the protocol's episodes, trial by trial across tasks, still
+    run task by task; null: all of them; more than the protocol has: refused naming the fix."""
+    cfg = compose([f"env={env}", "eval.trials_per_task=4"])
+    scheme = seed_scheme(cfg.env)
+    assert len(scheme.eval_seeds(cfg.env, cfg.eval)) == 4 * tasks  # null: the protocol
+    for episodes in (1, 2, tasks + 1, 4 * tasks):
+        cfg.eval.episodes = episodes
+        seeds = scheme.eval_seeds(cfg.env, cfg.eval)
+        task_of = [scheme.task_of(cfg.env, s)[0] for s in seeds]
+        assert len(seeds) == len(set(seeds)) == episodes
+        assert task_of == sorted(task_of)  # task by task
+        per_task = [task_of.count(t) for t in sorted(set(task_of))]
+        assert len(per_task) == min(episodes, tasks) and max(per_task) - min(per_task) <= 1  # an even share
+    cfg.eval.episodes = 4 * tasks + 1
+    with pytest.raises(UserError, match=f"eval.episodes={4 * tasks + 1}: .*Set eval.episodes={4 * tasks} or fewer"):
+        scheme.eval_seeds(cfg.env, cfg.eval)
 
 
 def test_libero_training_slots_spread_tasks_and_are_seeded():

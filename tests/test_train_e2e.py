@@ -114,6 +114,7 @@ def test_cli_train_then_eval_and_record(ray_cluster, tmp_path, capsys):
     as a user runs it, then eval and record from its checkpoint through the CLI's ``main`` in this
     process (fresh workers on the session's cluster: the same path, without a process start each)."""
     from embodied.cli import main as cli_main
+    from embodied.provenance import digest
 
     run_dir, profiles = tmp_path / "run", tmp_path / "profiles"
     proc = run_cli("train", *SMALL, "runner.total_env_steps=80", "eval.episodes=4",
@@ -126,6 +127,11 @@ def test_cli_train_then_eval_and_record(ray_cluster, tmp_path, capsys):
     result = json.loads((run_dir / "eval.json").read_text())
     for key in ("success_once", "success_at_end", "return_mean", "episodes"):
         assert key in result
+    weights = result["provenance"]["weights"]  # what was evaluated, as `embodied eval` records it
+    assert weights["checkpoint"] == result["checkpoint"]
+    assert Path(weights["checkpoint"]).parent == run_dir / "checkpoints"
+    assert weights["checkpoint_sha256"] == digest([Path(weights["checkpoint"])])
+    assert result["provenance"]["code"]["commit"] and result["provenance"]["settings"]["episodes"] == 4
     _check_auto_placement(result["auto_placement"], run_dir)
     assert list(run_dir.glob("tb/events.out.tfevents.*"))
     assert len(list((run_dir / "videos").glob("*.mp4"))) == 1

@@ -27,6 +27,8 @@ from embodied.config import (
 from embodied.config_files import file_overrides
 from embodied.policy_config import upgrade_saved_policy
 
+FORMER_EVAL_EPISODES = 100  # eval.episodes' default in configs saved before null meant "the protocol's count"
+
 
 def add_overrides(parser: argparse.ArgumentParser, what: str = "") -> None:
     """The positional Hydra overrides every config-running command takes (``what``: the command's own
@@ -94,6 +96,8 @@ def config_from_saved(saved_yaml: str, overrides: list[str]) -> TrainConfig:
     ``a.b=value`` sets one key. Unknown keys are UserErrors, as for ``train``.
     """
     base = upgrade_saved_policy(OmegaConf.create(saved_yaml))
+    if OmegaConf.select(base, "eval.episodes") == FORMER_EVAL_EPISODES:
+        base.eval.episodes = None  # the former default, which a suite ignored: not a setting anybody made
     groups = config_groups()
     dotted = []
     for item in overrides:
@@ -113,9 +117,12 @@ def config_from_saved(saved_yaml: str, overrides: list[str]) -> TrainConfig:
 @contextlib.contextmanager
 def removed_if_failed_empty(path: Path) -> Iterator[None]:
     """A command that fails before writing anything into ``path`` leaves no directory behind."""
+    from embodied import run_owner
+
     try:
         yield
     except BaseException:
+        run_owner.release(path)  # its owner file goes, and the directory if this command made it
         if path.is_dir() and not any(path.iterdir()):
             path.rmdir()
         raise

@@ -39,6 +39,7 @@ def sft(overrides: list[str]) -> int:
     """Train on the demos into a new run directory, evaluate the result, index the evaluation."""
     from embodied.checkpoint import load_checkpoint, resolve_checkpoint
     from embodied.evaluate import summarize, write_eval
+    from embodied.provenance import provenance
     from embodied.run_dirs import claim_dir, index_evaluation, protocol_digest
     from embodied.sft import train_sft
     from policies.registry import check_policy_config
@@ -54,9 +55,10 @@ def sft(overrides: list[str]) -> int:
     rows, _, _ = run_protocol(cfg, load_checkpoint(run_dir)["actor"], seeds)
     summary = summarize(rows, cfg.env, cfg.eval.tasks)
     summary["sft"] = stats
+    evaluated = resolve_checkpoint(run_dir)
+    summary.update(checkpoint=str(evaluated), policy=cfg.policy.name, provenance=provenance(cfg, evaluated))
     print(write_eval(run_dir, summary))
-    index_evaluation(run_dir, run_dir, summary, "sft", str(resolve_checkpoint(run_dir)),
-                     protocol_digest(cfg.eval, cfg.env, seeds))
+    index_evaluation(run_dir, run_dir, summary, "sft", str(evaluated), protocol_digest(cfg.eval, cfg.env, seeds))
     learned = ", ".join(f"{k.removeprefix('sft/').replace('_', ' ')} {v:.3f}" for k, v in stats.items()
                         if k.startswith("sft/"))
     print(f"SFT on {stats['demos']} demos ({stats['steps']} steps), {cfg.sft.epochs} epochs: {learned}; "
