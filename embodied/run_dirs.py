@@ -1,6 +1,6 @@
 """Where a command writes: a directory nothing earlier lives in, and an index of a run's evaluations.
 
-Layout of a training run ``D`` (README, "Run directory")::
+Layout of a training run ``D`` (docs/evaluation.md, "The run directory")::
 
     D/config.yaml, tb/, checkpoints/   the run (``resume=D`` continues it)
     D/eval.json, eval.md, videos/      its final evaluation (a resumed run files the earlier one under evals/)

@@ -1,5 +1,5 @@
-"""The recipes users copy (docs/recipes/*.yaml, README's "RL on a public LIBERO checkpoint") compose
-and pass every check a run makes before its workers start. A 7B checkpoint is not here: a tiny one of
+"""The recipes users copy (docs/recipes/*.yaml, docs/policies.md's "RL on a public LIBERO checkpoint")
+compose and pass every check a run makes before its workers start. A 7B checkpoint is not here: a tiny one of
 the same family (assets/reference/, the same files and fields) stands in for it."""
 
 from pathlib import Path
