@@ -14,11 +14,12 @@ import sys
 import warnings
 from typing import NoReturn
 
+from embodied import interrupts, run_owner
 from embodied.commands import bench, chaos, plan, record, render, sft, train
 from embodied.commands import eval as evaluation
 from envs.common import UserError
 
-# The exit codes, documented here once (README's "Commands" section repeats this table).
+# The exit codes, documented here once (docs/config.md repeats this table).
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
@@ -34,6 +35,9 @@ EXIT_CODES = {
     EXIT_WORKER_FAULT: "a worker died or hung more often than runner.max_worker_restarts allows (a training run: "
                        "with a checkpoint written then; continue with `embodied train resume=<run_dir>`)",
 }
+EXIT_INTERRUPTED = interrupts.EXIT_INTERRUPTED  # 130, as a shell reports Ctrl-C; --help lists it after EXIT_CODES
+INTERRUPTED = ("Ctrl-C: a training run checkpoints first and names `resume=<run_dir>` in one line; a second Ctrl-C "
+               "stops at once")
 
 COMMAND_MODULES = (train, sft, evaluation, record, bench, plan, chaos, render)  # in --help's order
 
@@ -63,7 +67,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         module.add_parser(subparsers)
     commands = dict(subparsers.choices)
     usages = "\n".join(map(_usage, commands.values()))
-    codes = "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
+    listed = {**EXIT_CODES, EXIT_INTERRUPTED: INTERRUPTED}
+    codes = "\n".join(f"  {code:<3}  {meaning}" for code, meaning in listed.items())
     parser.epilog = f"each command's flags (`embodied <command> --help` says more):\n{usages}\n\nexit codes:\n{codes}"
     return parser, commands
 
@@ -145,8 +150,9 @@ def _explain_failed_start(report: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; the exit code is one of :data:`EXIT_CODES`. Errors we can explain become one
-    paragraph on stderr (no traceback); anything else is a bug and keeps its traceback."""
+    """Run one command; the exit code is one of :data:`EXIT_CODES`, or :data:`EXIT_INTERRUPTED`. Errors we
+    can explain become one paragraph on stderr (no traceback); anything else is a bug and keeps its
+    traceback. Ctrl-C (embodied/interrupts.py): one line saying what is kept, exit 130."""
     _quiet()
     argv = sys.argv[1:] if argv is None else list(argv)
     parser, commands = build_parser()
@@ -158,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USER_ERROR
     try:
-        return args.run(args)
+        with interrupts.handled():
+            try:
+                return args.run(args)
+            except KeyboardInterrupt as err:
+                print(interrupts.stopped_line(err), file=sys.stderr, flush=True)
+                return EXIT_INTERRUPTED
     except Exception as err:
         explained = _explain(err)
         if explained is None:
@@ -166,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         message, code = explained
         print(f"error: {message}", file=sys.stderr)
         return code
+    finally:
+        run_owner.release_all()  # the directories this command held (main may run again in one process)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,8 @@ def _taken_over_note(path: Path) -> str | None:
 
 
 def _write_owner(path: Path) -> None:
-    owner = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
              "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
     tmp = path / f"{OWNER_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(owner) + "\n")
@@ -122,6 +123,6 @@ def _write_owner(path: Path) -> None:
 
 
 @atexit.register
-def _release_all() -> None:
+def release_all() -> None:
     for key in list(_held):
         release(key)

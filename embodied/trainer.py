@@ -16,12 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from embodied import interrupts
 from embodied.algorithms.registry import make_algorithm
 from embodied.algorithms.replay import demo_transitions
 from embodied.checkpoint import (
     BEST,
     Progress,
     checkpoint_state,
+    checkpoints_of,
     load_checkpoint,
     newest_checkpoint,
     save_best_checkpoint,
@@ -46,6 +48,16 @@ def success_ends_episode(cfg: TrainConfig) -> bool:
     if cfg.env.success_ends_episode is not None:
         return cfg.env.success_ends_episode
     return make_algorithm(cfg.algorithm).success_ends_episode
+
+
+def _raised_within(err: BaseException, function: Callable) -> bool:
+    """Whether ``err`` was raised inside a call of ``function`` (a frame of its traceback runs it)."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is function.__code__:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -166,7 +178,44 @@ class Trainer:
             self.workers.actor.call("set_lr", frac * self.cfg.algorithm.lr)
 
     def train(self) -> dict:
-        """Train to ``runner.total_env_steps`` (or ``runner.max_minutes``), then evaluate."""
+        """Train to ``runner.total_env_steps`` (or ``runner.max_minutes``), then evaluate. Ctrl-C
+        (embodied/interrupts.py): checkpoint what there is, then raise :class:`~embodied.interrupts.Interrupted`."""
+        with interrupts.handled():
+            interrupts.set_hint(self._resume_hint)
+            try:
+                return self._train()
+            except interrupts.Interrupted:
+                raise
+            except KeyboardInterrupt as err:
+                raise self._interrupted(err) from None
+
+    def _resume_hint(self) -> str:
+        newest = checkpoints_of(self.run_dir)
+        if not newest:
+            return f"no checkpoint in {self.run_dir}: nothing to resume"
+        return f"the newest checkpoint is {newest[0].name}; continue with `embodied train resume={self.run_dir}`"
+
+    def _interrupted(self, err: KeyboardInterrupt) -> interrupts.Interrupted:
+        """After a Ctrl-C: checkpoint the iteration reached (an update in flight finished and counted,
+        :meth:`_iterate`), unless its checkpoint is written (the final one: the final evaluation may hold
+        the best weights, not these), workers were being replaced (a new actor may not hold the run's
+        weights yet) or the actor cannot give one. The error's line says which."""
+        p = self.progress
+        if any(c.name == f"ckpt_{p.iteration:06d}.pt" for c in checkpoints_of(self.run_dir)):
+            return interrupts.Interrupted(f"interrupted at iteration {p.iteration}: {self._resume_hint()}")
+        if _raised_within(err, Recovery._recover):
+            why = "workers were being replaced"
+        else:
+            p.train_seconds += time.perf_counter() - getattr(self, "_advance_started", time.perf_counter())
+            try:
+                return interrupts.Interrupted(f"interrupted at iteration {p.iteration}: checkpoint {self.save().name} "
+                                              f"written; continue with `embodied train resume={self.run_dir}`")
+            except Exception as failure:  # the actor is gone (WorkerFailure) or cannot save
+                why = f"{type(failure).__name__}: {failure}".splitlines()[0]
+        return interrupts.Interrupted(f"interrupted at iteration {p.iteration}, no checkpoint written now ({why}); "
+                                      f"{self._resume_hint()}")
+
+    def _train(self) -> dict:
         saved = False
         while not saved:  # a lost actor restores an older checkpoint: train on from there
             while not self._training_done():
@@ -255,14 +304,16 @@ class Trainer:
             self._reset_envs()
         collected = self.collector.collect(p.iteration)
         episodes = collected.episodes
-        stats, update_times = self.workers.update(collected.trajectories, p.iteration)
-        if stats.get("samples", 1.0) == 0:  # say it where a person looks, not only in TensorBoard
-            self.log.note("update", f"iteration {p.iteration + 1} trained on nothing: {self.algorithm.nothing_trained}")
-        t2 = time.perf_counter()
-        if not warm_up:  # what auto placement's prediction is held against (_auto_report)
-            self.iteration_seconds.append(t2 - t0)
-        p.iteration += 1
-        p.env_steps += self.steps_per_iteration
+        with interrupts.finishing():  # a Ctrl-C now: the update finishes and counts, then a checkpoint
+            stats, update_times = self.workers.update(collected.trajectories, p.iteration)
+            if stats.get("samples", 1.0) == 0:  # say it where a person looks, not only in TensorBoard
+                self.log.note("update", f"iteration {p.iteration + 1} trained on nothing: "
+                                        f"{self.algorithm.nothing_trained}")
+            t2 = time.perf_counter()
+            if not warm_up:  # what auto placement's prediction is held against (_auto_report)
+                self.iteration_seconds.append(t2 - t0)
+            p.iteration += 1
+            p.env_steps += self.steps_per_iteration
         scalars = {f"train/{k}": v for k, v in stats.items()} | {"train/policy_lag": collected.policy_lag}
         scalars.update({f"time/{k}": v for k, v in {**collected.times, **update_times}.items()})
         scalars.update({
