@@ -3,6 +3,7 @@ checkpoint give the same rows, whatever the training left in the simulators, aft
 and ``resume=`` past a damaged checkpoint, and however the evaluation is laid out over workers and processes
 (docs/seeds.md)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -28,8 +30,19 @@ def _rows(path) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "env"} for row in json.loads(path.read_text())["rows"]]
 
 
+def _session_processes(sid: int) -> list[str]:
+    """The live processes of session ``sid`` (the killed run's: the driver led it), as 'pid name'."""
+    left = []
+    for p in psutil.process_iter(["name", "status"]):
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid} {p.info['name']}")
+    return left
+
+
 def _kill_after_checkpoint(args: list[str], checkpoint) -> None:
-    """Run ``embodied <args>`` until ``checkpoint`` exists, then SIGKILL the driver, Ray and every worker."""
+    """Run ``embodied <args>`` until ``checkpoint`` exists, then SIGKILL the driver alone, as ``kill -9 <pid>``
+    does: every process of the run (Ray's, the workers) must end with it within 20 s."""
     proc = subprocess.Popen([sys.executable, "-m", "embodied.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True,
                             env=dict(os.environ, PYTHONWARNINGS="ignore"))
@@ -39,8 +52,15 @@ def _kill_after_checkpoint(args: list[str], checkpoint) -> None:
             assert proc.poll() is None, "training exited before it was killed"
             assert time.time() < deadline, f"no {checkpoint.name} after 300 s"
             time.sleep(0.2)
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 20
+        while (left := _session_processes(proc.pid)) and time.time() < deadline:
+            time.sleep(0.25)
+        assert not left, f"processes of the killed run still running: {left}"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever a failed test left
         proc.wait()
 
 
