@@ -193,6 +193,10 @@ class RunnerConfig:
     # recovering: once the broken call's channel is renewed, the workers that survived the fault get this long
     # to end their part of the call; one still busy then is taken as hung and replaced too
     recovery_settle_s: float = ranged(30.0, 0, above=True)
+    # before any worker starts, add up what each will hold (replay buffer, envs, policy and optimizer: estimates,
+    # embodied/memory_plan.py) against this machine's memory: "on" refuses a run that cannot fit (exit 2, naming the
+    # settings that would), "warn" says so and starts it, "off" skips the plan
+    memory_check: str = "on"
 
 
 @dataclass

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from embodied.allocation import allocation_failure_of
 from embodied.config import RunnerConfig
 from scheduler.runtime.faults import RestartBudget, RestartBudgetExceeded, WorkerFailure, WorkerFault
 
@@ -116,6 +117,9 @@ class Recovery:
         try:
             return True, work()
         except WorkerFailure as failure:
+            refused = allocation_failure_of(failure)  # a failed allocation: the run's settings, not a fault (exit 2)
+            if refused is not None:
+                raise refused from None
             pending: WorkerFailure | None = failure
             while pending is not None:
                 pending = self._recover(pending)

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from embodied.algorithms.registry import make_algorithm
 from embodied.checks import check_run_config
 from embodied.config import TrainConfig
+from embodied.memory_plan import check_memory
 from embodied.workers.actor_worker import ActorWorker
 from embodied.workers.env_worker import EnvWorker
 from embodied.workers.rollout_worker import RolloutWorker
@@ -286,6 +287,7 @@ def start_workers(cfg: TrainConfig, rollout_only: bool = False) -> Workers:
     notes = check_run_config(cfg, rollout_only)
     for line in notes:  # what a checkpoint left to the config (e.g. its normalisation), before anything starts
         print(f"note: {line}", file=sys.stderr)
+    check_memory(cfg, rollout_only, say=lambda line: _say(f"start-up: {line}"))  # a run that cannot fit: refused now
     started = time.perf_counter()
     _say(f"start-up: {'joining the Ray cluster at ' + cfg.ray.address if cfg.ray.address else 'starting Ray'} ...")
     start_cluster(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.num_gpus)

@@ -32,7 +32,7 @@ import numpy as np
 
 from envs.base import INSTRUCTION_BYTES, encode_instruction
 from envs.common import UserError
-from envs.registry import register_env
+from envs.registry import EnvMemory, GiB, register_env, register_env_resources
 from envs.subproc import SubprocVecEnv
 
 SUCCESS_KEYS = ("success", "is_success")
@@ -167,3 +167,34 @@ def make_gym(cfg, num_envs: int, num_procs: int) -> SubprocVecEnv:
     spec = GymSpec(cfg.task, cfg.max_episode_steps)
     return SubprocVecEnv(functools.partial(_make_gym_env, spec), num_envs, num_procs, timeout_s=cfg.timeout_s,
                          restart_crashed=cfg.restart_crashed, startup_timeout_s=cfg.startup_timeout_s)
+
+
+@functools.cache
+def _built_obs_spec(task: str, max_episode_steps: int | None) -> dict[str, tuple[tuple[int, ...], str]]:
+    env = GymEnv(GymSpec(task, max_episode_steps))
+    try:
+        return {k: (tuple(shape), np.dtype(dtype).name) for k, (shape, dtype) in env.obs_spec.items()}
+    finally:
+        env.close()
+
+
+def gym_obs_spec(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A user's env says what it observes only once built: one is built here (as ``validate_gym`` does)."""
+    return _built_obs_spec(cfg.task, cfg.max_episode_steps)
+
+
+# RSS of a process stepping gymnasium envs: ~0.25 GiB measured (Pendulum-v1; a user's env may need far more, which
+# this cannot know); envs stepped in the env worker add little to it
+PROCESS_BYTES = int(0.25 * GiB)
+PER_ENV_BYTES = 8 * 2**20
+
+
+def gym_memory(cfg, num_envs: int, num_procs: int) -> EnvMemory:
+    if num_procs == 0:
+        return EnvMemory(0, 0, num_envs * PER_ENV_BYTES, "envs stepped in the env worker")
+    procs = min(num_procs, num_envs)
+    return EnvMemory(procs, PROCESS_BYTES + -(-num_envs // procs) * PER_ENV_BYTES, 0,
+                     f"{procs} process(es), ~0.25 GiB each (classic control; a user's env may need more)")
+
+
+register_env_resources("gym", obs_spec=gym_obs_spec, memory=gym_memory)

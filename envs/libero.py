@@ -34,9 +34,17 @@ from pathlib import Path
 
 import numpy as np
 
-from envs.base import encode_instructions
+from envs.base import INSTRUCTION_BYTES, encode_instructions
 from envs.common import UserError, unknown_name_error
-from envs.registry import SeedScheme, register_env, suite_eval_seeds, task_subset
+from envs.registry import (
+    EnvMemory,
+    GiB,
+    SeedScheme,
+    register_env,
+    register_env_resources,
+    suite_eval_seeds,
+    task_subset,
+)
 from envs.subproc import SubprocVecEnv
 
 INIT_STRIDE = 1000  # seeds per task: init states 0..999
@@ -325,3 +333,30 @@ def make_libero(cfg, num_envs: int, num_procs: int):
     return SubprocVecEnv(functools.partial(_make_libero_env, spec), num_envs, max(num_procs, num_envs),
                          timeout_s=cfg.timeout_s, restart_crashed=cfg.restart_crashed,
                          startup_timeout_s=cfg.startup_timeout_s)
+
+
+# tasks per suite (the one-hot ``task`` observation's width), as the benchmark lists them (tests/test_memory_plan.py
+# checks them against the installed package)
+SUITE_SIZES = {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10, "libero_10": 10, "libero_90": 90,
+               "libero_100": 100, "libero_130": 130}
+# RSS of one LIBERO env process: 1.6 GiB measured (rgb, 128 px, rendering=fast, after a reset; a state-only env
+# renders nothing and takes less, so this is an upper bound there). The env worker keeps ~0.7 GiB of the env it
+# builds to learn the observation shapes
+PROCESS_BYTES = int(1.6 * GiB)
+WORKER_BYTES = int(0.7 * GiB)
+
+
+def libero_obs_spec(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
+    """:func:`libero_obs_keys` with every size and dtype: the one-hot task is the suite's size, the instruction
+    field 128 bytes (every published suite's :func:`envs.base.instruction_width`)."""
+    keys = libero_obs_keys(cfg)
+    spec = {k: (shape, "uint8") for k, shape in keys.items() if k in ("rgb", "wrist_rgb")}
+    return {**spec, "state": (keys["state"], "float32"), "task": ((SUITE_SIZES[cfg.task],), "float32"),
+            "instruction": ((INSTRUCTION_BYTES,), "uint8")}
+
+
+def libero_memory(cfg, num_envs: int, num_procs: int) -> EnvMemory:
+    return EnvMemory(num_envs, PROCESS_BYTES, WORKER_BYTES, "one process per env, ~1.6 GiB each, measured")
+
+
+register_env_resources("libero", obs_spec=libero_obs_spec, memory=libero_memory)

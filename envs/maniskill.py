@@ -20,9 +20,9 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from envs.base import EpisodeTracker, Obs, StepResult, encode_instruction
+from envs.base import EpisodeTracker, Obs, StepResult, encode_instruction, instruction_width
 from envs.common import UserError, unknown_name_error
-from envs.registry import register_env
+from envs.registry import EnvMemory, GiB, register_env, register_env_resources
 from envs.rendering import ensure_vulkan_icd
 from envs.subproc import SubprocVecEnv
 
@@ -327,3 +327,46 @@ def make_maniskill(cfg, num_envs: int, num_procs: int):
         functools.partial(_make_cpu_env, spec), num_envs, num_procs, timeout_s=cfg.timeout_s,
         restart_crashed=cfg.restart_crashed, startup_timeout_s=cfg.startup_timeout_s,
     )
+
+
+# observation sizes of the tasks INSTRUCTIONS names, read off built envs (pd_joint_delta_pos; other controllers
+# differ by a few floats): task -> (state floats with obs_mode=state, state floats with obs_mode=rgb, cameras)
+OBS_SIZES = {"PushCube-v1": (35, 25, 1), "PickCube-v1": (42, 29, 1), "StackCube-v1": (48, 25, 2),
+             "PullCube-v1": (35, 28, 1)}
+# other tasks: an upper bound of the state (ManiSkill's tabletop tasks observe under 100 floats) and an assumed
+# camera count (2: a base and a hand camera)
+UNKNOWN_OBS_SIZES = (512, 512, 2)
+# host memory (RSS), measured on the CPU simulator: a process stepping envs ~0.55 GiB (state) / ~0.8 GiB (rgb, 64
+# px); envs stepped in the env worker itself ~0.3 GiB of SAPIEN there plus ~2 MiB each. The GPU simulator keeps
+# its scenes in GPU memory (not counted here) and ~1 GiB of host memory in the worker
+PROCESS_BYTES = {"state": int(0.55 * GiB), "rgb": int(0.8 * GiB)}
+IN_WORKER_BYTES = {"state": int(0.3 * GiB), "rgb": int(0.55 * GiB)}  # rgb: an estimate (renderer)
+PER_ENV_BYTES = 2 * 2**20
+GPU_SIM_BYTES = 1 * GiB
+
+
+def maniskill_obs_spec(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The observations of :func:`maniskill_obs_keys` with sizes: the table's for the tasks it has, else an upper
+    bound of the state and two cameras (:data:`UNKNOWN_OBS_SIZES`)."""
+    state_dim, rgb_state_dim, cameras = OBS_SIZES.get(cfg.task, UNKNOWN_OBS_SIZES)
+    if cfg.obs_mode != "rgb":
+        return {"state": ((state_dim,), "float32")}
+    return {"rgb": ((cfg.image_size, cfg.image_size, 3 * cameras), "uint8"), "state": ((rgb_state_dim,), "float32"),
+            "instruction": ((instruction_width([instruction_for(cfg.task)]),), "uint8")}
+
+
+def maniskill_memory(cfg, num_envs: int, num_procs: int) -> EnvMemory:
+    sim_backend = cfg.sim_backend if cfg.sim_backend != "auto" else (
+        "physx_cuda" if torch.cuda.is_available() else "physx_cpu")
+    if sim_backend == "physx_cuda":
+        return EnvMemory(0, 0, GPU_SIM_BYTES, "the GPU simulator: its scenes are in GPU memory (not counted)")
+    each = PROCESS_BYTES.get(cfg.obs_mode, PROCESS_BYTES["rgb"])
+    if num_procs == 0:
+        base = IN_WORKER_BYTES.get(cfg.obs_mode, IN_WORKER_BYTES["rgb"])
+        return EnvMemory(0, 0, base + num_envs * PER_ENV_BYTES, "stepped in the env worker, measured")
+    procs = min(num_procs, num_envs)
+    return EnvMemory(procs, each + -(-num_envs // procs) * PER_ENV_BYTES, IN_WORKER_BYTES["state"],
+                     f"{procs} sim process(es), ~{each / GiB:.2f} GiB each, measured")
+
+
+register_env_resources("maniskill", obs_spec=maniskill_obs_spec, memory=maniskill_memory)

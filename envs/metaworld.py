@@ -35,7 +35,15 @@ from envs.metaworld_sim import (
     episode_seed,
     make_metaworld_env,
 )
-from envs.registry import SeedScheme, register_env, suite_eval_seeds, task_subset
+from envs.registry import (
+    EnvMemory,
+    GiB,
+    SeedScheme,
+    register_env,
+    register_env_resources,
+    suite_eval_seeds,
+    task_subset,
+)
 from envs.subproc import EnvShape, SubprocVecEnv
 
 TASKS_FILE = REPO_ROOT / "assets" / "metaworld" / "tasks.json"
@@ -202,3 +210,21 @@ def make_metaworld(cfg, num_envs: int, num_procs: int) -> SubprocVecEnv:
     return SubprocVecEnv(functools.partial(make_metaworld_env, spec), num_envs, max(num_procs, 1),
                          timeout_s=cfg.timeout_s, restart_crashed=cfg.restart_crashed,
                          startup_timeout_s=cfg.startup_timeout_s, shape=_shape(spec), python=interpreter(cfg))
+
+
+def metaworld_obs_spec(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {key: (shape, np.dtype(dtype).name) for key, (shape, dtype) in _shape(_spec(cfg)).obs_spec.items()}
+
+
+# RSS of one MetaWorld env process (its own interpreter, no torch): ~0.2 GiB measured with obs_mode=state; rendering
+# (rgb) is taken as twice that, an estimate
+PROCESS_BYTES = {"state": int(0.2 * GiB), "rgb": int(0.4 * GiB)}
+
+
+def metaworld_memory(cfg, num_envs: int, num_procs: int) -> EnvMemory:
+    procs = min(max(num_procs, 1), num_envs)
+    each = PROCESS_BYTES.get(cfg.obs_mode, PROCESS_BYTES["rgb"])
+    return EnvMemory(procs, each, 0, f"{procs} process(es) of MetaWorld's interpreter, ~{each / GiB:.1f} GiB each")
+
+
+register_env_resources("metaworld", obs_spec=metaworld_obs_spec, memory=metaworld_memory)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from envs.common import Registry, UserError
 from envs.seeds import PROTOCOL_LIMIT, RunSeeds
@@ -122,6 +123,56 @@ def register_env(name: str, validate: Callable | None = None, seeds: SeedScheme 
         return fn
 
     return decorator
+
+
+@dataclass(frozen=True)
+class EnvMemory:
+    """The host memory one env worker's envs take: ``processes`` sim processes of ``bytes_each``, plus
+    ``in_worker`` bytes in the env worker itself (envs it steps without a process of their own). Rough
+    figures (RSS) measured per backend, named in ``basis``: what :mod:`embodied.memory_plan` adds up."""
+
+    processes: int
+    bytes_each: int
+    in_worker: int = 0
+    basis: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.processes * self.bytes_each + self.in_worker
+
+
+GiB = 2**30
+# backend -> obs_spec(env_cfg): {key: (shape, dtype name)} of every observation, without building an env (an
+# upper bound where only a built env knows a size exactly: the backend's function says which); the replay buffer's
+# size in the memory plan comes from it
+ENV_STATIC_OBS_SPECS: dict[str, Callable] = {}
+# backend -> memory(env_cfg, num_envs, num_procs) -> EnvMemory: what ``num_envs`` envs over ``num_procs`` processes
+# (one env worker's share) take in host memory
+ENV_MEMORY: dict[str, Callable] = {}
+
+
+def register_env_resources(name: str, obs_spec: Callable, memory: Callable) -> None:
+    """What backend ``name`` needs, known before any env starts: ``obs_spec(env_cfg)`` (every observation's shape
+    and dtype name) and ``memory(env_cfg, num_envs, num_procs)`` (an :class:`EnvMemory`); the memory plan reads both
+    (embodied/memory_plan.py)."""
+    ENV_STATIC_OBS_SPECS[name] = obs_spec
+    ENV_MEMORY[name] = memory
+
+
+def env_static_obs_spec(env_cfg) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """The env's observations as ``{key: (shape, dtype name)}`` before any env starts, or None where the
+    backend cannot say."""
+    _load_backend(env_cfg)
+    known = ENV_STATIC_OBS_SPECS.get(env_cfg.backend)
+    return known(env_cfg) if known else None
+
+
+def env_memory(env_cfg, num_envs: int, num_procs: int) -> EnvMemory | None:
+    """Host memory of one env worker's ``num_envs`` envs over ``num_procs`` processes, or None where the
+    backend cannot say."""
+    _load_backend(env_cfg)
+    known = ENV_MEMORY.get(env_cfg.backend)
+    return known(env_cfg, num_envs, num_procs) if known else None
 
 
 def _load_backend(env_cfg) -> None:

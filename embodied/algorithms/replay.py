@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from embodied.allocation import allocations_are_config_errors
 from envs.base import Obs
+from envs.registry import GiB
 
 if TYPE_CHECKING:
     from envs.demos import Demos
@@ -100,10 +102,13 @@ def demo_transitions(demos: Demos, gamma: float, bootstraps_terminal: bool) -> T
 
 class ReplayBuffer:
     """The newest ``capacity`` transitions, in tensors allocated whole at the first :meth:`add`
-    (on the device of what is added: the actor's), written round-robin."""
+    (on the device of what is added: the actor's), written round-robin. An allocation that fails is an
+    :class:`~embodied.allocation.AllocationUserError` (a configuration error, never retried) naming ``setting``,
+    the config key that sets ``capacity``."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, setting: str = "the replay buffer's capacity"):
         self.capacity = capacity
+        self.setting = setting
         self.storage: Transitions | None = None
         self.size = 0  # transitions held
         self.position = 0  # where the next one is written
@@ -125,7 +130,7 @@ class ReplayBuffer:
     def add(self, new: Transitions) -> None:
         """Write ``new``; past ``capacity``, over the oldest (of ``new`` itself too, if it is longer)."""
         if self.storage is None:
-            self.storage = new.map(lambda x: x.new_zeros((self.capacity, *x.shape[1:])))
+            self.storage = self._allocate(new)
         self.added += len(new)
         if len(new) > self.capacity:
             new = new.take(torch.arange(len(new) - self.capacity, len(new)))
@@ -133,6 +138,15 @@ class ReplayBuffer:
         _write(self.storage, where.to(new.actions.device), new)
         self.position = (self.position + len(new)) % self.capacity
         self.size = min(self.size + len(new), self.capacity)
+
+    def _allocate(self, like: Transitions) -> Transitions:
+        """Zeroed storage of ``capacity`` rows shaped like ``like``'s, on its device."""
+        per_row = sum(x[0].numel() * x.element_size() for x in
+                      [like.actions, like.rewards, like.discounts, *like.obs.values(), *like.next_obs.values()])
+        what = (f"The replay buffer ({self.setting}={self.capacity:,} transitions of {per_row:,} bytes: "
+                f"{self.capacity * per_row / GiB:,.1f} GiB on {like.actions.device})")
+        with allocations_are_config_errors(what, self.setting):
+            return like.map(lambda x: x.new_zeros((self.capacity, *x.shape[1:])))
 
     def sample(self, n: int, generator: torch.Generator) -> Transitions:
         """``n`` transitions drawn uniformly with replacement; the indices come from ``generator``
@@ -158,7 +172,7 @@ class ReplayBuffer:
         self.storage, self.size, self.position, self.added = None, 0, 0, 0
         if state["held"] is not None:
             held = state["held"].map(lambda x: x.to(device))
-            self.storage = held.map(lambda x: x.new_zeros((self.capacity, *x.shape[1:])))
+            self.storage = self._allocate(held)
             _write(self.storage, torch.arange(state["size"], device=held.actions.device), held)
         self.size, self.position, self.added = state["size"], state["position"], state["added"]
 

@@ -75,7 +75,7 @@ class SAC(Algorithm):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.sac = cfg.sac
-        self.buffer = ReplayBuffer(cfg.sac.buffer_size)
+        self.buffer = ReplayBuffer(cfg.sac.buffer_size, setting="algorithm.sac.buffer_size")
         self.demos: ReplayBuffer | None = None  # RLPD (sac.demo_fraction > 0): the demonstrations' transitions
         self.target: dict[str, torch.Tensor] | None = None  # the target critics' parameters, by name
         self.log_alpha = torch.tensor(math.log(cfg.sac.alpha), requires_grad=True)
@@ -122,7 +122,7 @@ class SAC(Algorithm):
         return self.sac.demo_fraction > 0
 
     def load_demos(self, demos: Transitions) -> None:
-        self.demos = ReplayBuffer(len(demos))
+        self.demos = ReplayBuffer(len(demos), setting="sft.demos")
         self.demos.add(demos)
 
     def sample(self, generator: torch.Generator) -> Transitions:
@@ -138,6 +138,20 @@ class SAC(Algorithm):
 
     def resident_mib(self, obs_spec: dict, action_dim: int) -> float:
         return ReplayBuffer.bytes_for(self.sac.buffer_size, obs_spec, action_dim) / 2**20
+
+    def resident_description(self, obs_spec: dict, action_dim: int) -> str:
+        """What :meth:`resident_mib` counts, for the memory plan (embodied/memory_plan.py)."""
+        return (f"the replay buffer (algorithm.sac.buffer_size={self.sac.buffer_size:,} transitions of "
+                f"{ReplayBuffer.bytes_for(1, obs_spec, action_dim):,} bytes)")
+
+    def resident_setting_that_fits(self, obs_spec: dict, action_dim: int, budget: int) -> str | None:
+        """The largest ``algorithm.sac.buffer_size`` (two significant digits) whose full buffer takes at most
+        ``budget`` bytes; None where not even ``sac.learning_starts`` transitions (or one batch) fit."""
+        fits = max(budget, 0) // ReplayBuffer.bytes_for(1, obs_spec, action_dim)
+        if fits < max(self.sac.learning_starts, self.sac.batch_size, 1):
+            return None
+        step = 10 ** max(len(str(fits)) - 2, 0)
+        return f"algorithm.sac.buffer_size={fits // step * step}"
 
     def target_entropy(self, policy: nn.Module) -> float:
         return self.sac.target_entropy if self.sac.target_entropy is not None else -float(policy.action_dim)

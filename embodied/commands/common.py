@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from embodied import run_owner
 from embodied.config import (
     TrainConfig,
     compose,
@@ -117,8 +118,6 @@ def config_from_saved(saved_yaml: str, overrides: list[str]) -> TrainConfig:
 @contextlib.contextmanager
 def removed_if_failed_empty(path: Path) -> Iterator[None]:
     """A command that fails before writing anything into ``path`` leaves no directory behind."""
-    from embodied import run_owner
-
     try:
         yield
     except BaseException:

@@ -18,6 +18,7 @@ from embodied.commands.common import (
     run_protocol,
 )
 from embodied.config import compose
+from embodied.provenance import provenance
 from envs.registry import check_env_config, env_action_dim, seed_scheme
 
 
@@ -39,7 +40,6 @@ def sft(overrides: list[str]) -> int:
     """Train on the demos into a new run directory, evaluate the result, index the evaluation."""
     from embodied.checkpoint import load_checkpoint, resolve_checkpoint
     from embodied.evaluate import summarize, write_eval
-    from embodied.provenance import provenance
     from embodied.run_dirs import claim_dir, index_evaluation, protocol_digest
     from embodied.sft import train_sft
     from policies.registry import check_policy_config

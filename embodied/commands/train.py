@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from embodied import run_owner
 from embodied.commands.common import (
     checkpointed,
     composed_overrides,
@@ -28,6 +29,7 @@ from embodied.commands.common import (
     split_override,
 )
 from embodied.config import TrainConfig
+from embodied.provenance import provenance
 from envs.common import UserError
 from envs.registry import seed_scheme
 
@@ -89,7 +91,6 @@ def resume_point(resume: str) -> tuple[Path, dict]:
     A directory goes on from its newest checkpoint that verifies and reads; a checkpoint file of the run
     from that file. Checkpoints passed over (damaged, or newer than the file named) and a ``best.pt`` of
     a later history are moved to ``checkpoints/<why>-<time>/``, kept, and named on stderr."""
-    from embodied import run_owner
     from embodied.checkpoint import (
         BEST,
         checkpoints_of,
@@ -144,7 +145,6 @@ def train_once(start: Start, alongside: Callable[[Trainer], AbstractContextManag
     Returns ``(run directory, evaluation summary)``."""
     from embodied.checkpoint import BEST, resolve_checkpoint
     from embodied.evaluate import write_eval, write_videos
-    from embodied.provenance import provenance
     from embodied.run_dirs import claim_dir, file_away_final_eval, index_evaluation, protocol_digest
     from embodied.trainer import Trainer
 

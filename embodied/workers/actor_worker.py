@@ -10,6 +10,7 @@ from torch import nn
 
 from embodied.algorithms.registry import make_algorithm
 from embodied.algorithms.replay import Transitions
+from embodied.allocation import GROUP_SETTINGS, allocations_are_config_errors
 from envs.messages import Trajectory
 from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
@@ -41,7 +42,8 @@ class ActorWorker(Worker):
         self.cfg = algorithm_cfg
         self.algorithm = make_algorithm(algorithm_cfg)
         self.policy_cfg, self.obs_spec, self.action_dim = policy_cfg, obs_spec, action_dim
-        self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
+        with self._allocating("building the policy"):
+            self.policy = make_policy(policy_cfg, obs_spec, action_dim).to(self.device)
         # every rank draws the same minibatches: they train on the same global ones
         self.generator = torch.Generator().manual_seed(seeds.generator(Purpose.MINIBATCH))
         self.shared: SharedWeights | None = None
@@ -128,9 +130,15 @@ class ActorWorker(Worker):
         batch = Trajectory.concat(list(trajectories)).envs(envs).to(self.device)
         self.policy.train()
         torch.set_num_threads(self.update_threads)
-        with self.all_cores():  # env and rollout workers wait for the new weights: their cores are free
+        with self.all_cores(), self._allocating(f"updating (iteration {iteration})"):  # others wait: cores are free
             return self.algorithm.update(self.policy, self.optimizer, batch, iteration=iteration,
                                          generator=self.generator, reference=self.reference, dp=self.dp)
+
+    def _allocating(self, doing: str):
+        """A failed allocation while ``doing`` is the run's configuration (exit 2), not a fault to restart the
+        worker for: raised as an AllocationUserError naming the actor's settings."""
+        return allocations_are_config_errors(f"Actor rank {self.rank}, {doing} on {self.device},",
+                                             GROUP_SETTINGS["actor"])
 
     def state(self) -> dict | None:
         """Everything a checkpoint needs to continue training exactly, whole (not sharded): a run on
@@ -150,7 +158,8 @@ class ActorWorker(Worker):
         self.dp.load_full_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
-        self.algorithm.load_state_dict(state.get("algorithm", {}))  # checkpoints before algorithm state: none
+        with self._allocating("loading the checkpoint's algorithm state"):  # a saved replay buffer, refilled whole
+            self.algorithm.load_state_dict(state.get("algorithm", {}))  # checkpoints before algorithm state: none
         if self.cfg.kl_coef > 0:  # a resumed run keeps its original reference (older checkpoints: these weights)
             self.freeze_reference()
             if "reference" in state:
