@@ -2,7 +2,7 @@
 then report what the run survived.
 
     embodied chaos [train overrides] --faults 10 --chaos-seed 0 [--targets env,rollout,actor,simulator]
-        [--reference]
+        [--signal mixed|kill|stop] [--busy-loops N] [--reference]
 
 Each :class:`Injection` waits until training has completed ``iteration`` iterations, then
 ``delay_s`` more (so it lands mid-rollout or mid-update), and sends SIGKILL (``kill``: a worker
@@ -17,16 +17,21 @@ run across iterations, and a fault resets them, so its runs differ.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 TARGETS = ("env", "rollout", "actor", "simulator")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 GROUP_OF = {"env": "env", "rollout": "rollout", "actor": "actor", "simulator": "env"}  # who is replaced
+STOP_SHARES = {"mixed": 0.25, "kill": 0.0, "stop": 1.0}  # --signal: the share of injections that SIGSTOP
 
 
 @dataclass(frozen=True)
@@ -122,22 +127,42 @@ class ChaosMonkey(threading.Thread):
 
 
 def report(fired: list[Injected], schedule: list[Injection], faults: dict) -> dict:
-    """Each injection matched to the fault the run recorded for its worker (by pid)."""
+    """Each injection matched to the fault the run recorded for its worker (by pid), with the other
+    workers its recovery replaced (``others_replaced``; faults recorded that match no injection are
+    ``collateral``)."""
     events = list(faults.get("events", []))
     rows = []
     for shot in fired:
         match = next((e for e in events if e["pid"] == shot.worker_pid), None)
         if match is not None:
             events.remove(match)
+        others = [e for e in faults.get("events", []) if match is not None and e is not match
+                  and e["recovery"] == match["recovery"]]
         rows.append({**asdict(shot.injection), "pid": shot.pid, "fired_at_iteration": shot.iteration,
                      "detected_as": match["kind"] if match else None, "call": match["call"] if match else None,
                      "action": match["action"] if match else None,
                      "recovery_s": match["recovery_s"] if match else None,
-                     "iterations_lost": match["iterations_lost"] if match else 0})
+                     "iterations_lost": match["iterations_lost"] if match else 0,
+                     "detected_after_s": round(match["detected_at"] - shot.unix_time, 1) if match else None,
+                     "others_replaced": [f"{e['group']} {e['rank']} ({e['kind']})" for e in others]})
     return {"scheduled": len(schedule), "injected": len(fired), "detected": sum(r["detected_as"] is not None
                                                                               for r in rows),
-            "faults_recorded": faults.get("count", 0), "iterations_lost": faults.get("iterations_lost", 0),
+            "faults_recorded": faults.get("count", 0), "collateral": len(events),
+            "episodes_failed": faults.get("episodes_failed", 0), "iterations_lost": faults.get("iterations_lost", 0),
             "recovery_s": faults.get("recovery_s", 0.0), "injections": rows}
+
+
+@contextlib.contextmanager
+def cpu_contention(loops: int) -> Iterator[list[int]]:
+    """``loops`` processes that spin (``while True: pass``) while the block runs, then are killed:
+    CPU contention beside a run (a shared machine). Yields their pids."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(loops)]
+    try:
+        yield [p.pid for p in spinners]
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def compare(chaos_rows: list[dict], reference_rows: list[dict]) -> dict:
@@ -150,16 +175,21 @@ def compare(chaos_rows: list[dict], reference_rows: list[dict]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| # | at iteration | target | signal | pid | detected as | during | action | recovery (s) | "
-             "iterations lost |", "|---:|---:|---|---|---:|---|---|---|---:|---:|"]
+    lines = ["| # | at iteration | target | signal | pid | detected as | after (s) | during | action | "
+             "others replaced | recovery (s) | iterations lost |",
+             "|---:|---:|---|---|---:|---|---:|---|---|---|---:|---:|"]
     for k, r in enumerate(result["injections"]):
         recovery = f"{r['recovery_s']:.1f}" if r["recovery_s"] is not None else "-"
+        after = f"{r['detected_after_s']:.0f}" if r.get("detected_after_s") is not None else "-"
+        others = ", ".join(r.get("others_replaced", [])) or "none"
         lines.append(f"| {k} | {r['fired_at_iteration']} | {r['target']} | {r['how']} | {r['pid']} | "
-                     f"{r['detected_as'] or 'not detected'} | {r['call'] or '-'} | {r['action'] or '-'} | "
-                     f"{recovery} | {r['iterations_lost']} |")
+                     f"{r['detected_as'] or 'not detected'} | {after} | {r['call'] or '-'} | {r['action'] or '-'} | "
+                     f"{others} | {recovery} | {r['iterations_lost']} |")
     lines.append(f"\n{result['injected']} of {result['scheduled']} scheduled faults injected, {result['detected']} "
-                 f"detected and survived; {result['faults_recorded']} faults recorded in all, "
-                 f"{result['iterations_lost']} iterations lost, {result['recovery_s']:.0f} s spent recovering.")
+                 f"detected and survived; {result['faults_recorded']} faults recorded in all "
+                 f"({result.get('collateral', 0)} of them on workers no injection hit), {result['iterations_lost']} "
+                 f"iterations lost, {result.get('episodes_failed', 0)} episodes failed by error, "
+                 f"{result['recovery_s']:.0f} s spent recovering.")
     if "reference" in result:
         ref = result["reference"]
         lines.append(f"Final evaluation: success_once {ref['success_once']:.3f} with faults, "

@@ -11,17 +11,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 
 import cloudpickle
 import pytest
 
 import tests.test_faults as this_module
-from embodied.chaos import ChaosMonkey, Injection, draw_schedule, report
+from embodied.chaos import ChaosMonkey, Injection, draw_schedule, markdown, report
 from embodied.checkpoint import load_checkpoint
 from embodied.trainer import Trainer
-from scheduler.runtime.faults import Deadlines, RestartBudget, WorkerFailure
-from scheduler.runtime.worker import Worker, WorkerGroup
+from scheduler.runtime.channel import Channel
+from scheduler.runtime.faults import Deadlines, RestartBudget, Watchdog, WorkerFailure, judge_hung
+from scheduler.runtime.worker import CONTROL_METHODS, Worker, WorkerGroup, _actor_class, control_methods
 from tests.conftest import SMALL_OVERRIDES, run_cli, small_config
 
 # Ray workers cannot import the tests package: ship this module's classes by value
@@ -50,6 +52,44 @@ def test_the_restart_budget_counts_restarts_per_group_within_its_window():
     assert budget.spend("actor") == 1  # groups are counted apart
     now[0] = 150.0
     assert budget.spend("env") == 1  # the window has passed
+
+
+def test_pings_and_questions_run_in_their_own_concurrency_group_as_ray_reads_the_marks():
+    """Issue 57: wrapped with functools.wraps, the marks sat on a wrapper Ray unwraps, so a ping waited
+    behind the running call and every worker blocked on a hung peer was taken for hung too. The
+    answering itself, on real Ray workers: the next test."""
+    assert control_methods(_actor_class(Blocked)) == dict.fromkeys(CONTROL_METHODS, "control")
+
+
+def test_a_hang_is_traced_to_the_silent_worker_not_to_the_peers_blocked_on_it():
+    alive = {("env", 0): "alive", ("rollout", 0): "alive", ("actor", 0): "alive"}
+    stopped = {**alive, ("env", 1): "silent"}
+    busy = {("env", 0), ("env", 1), ("rollout", 0)}
+    # the stopped env worker is the hang; env rank 0 and the rollout worker wait on it and answer
+    assert judge_hung(stopped, busy, {}, known=set()) == [(("env", 1), "it does not answer a ping")]
+    # nobody silent: the one stuck in its own work (a simulator step), not those waiting on it
+    waiting = {("env", 0): True, ("env", 1): False, ("rollout", 0): True}
+    assert judge_hung({**alive, ("env", 1): "alive"}, busy, waiting, known=set()) == \
+        [(("env", 1), "busy in its own work, not waiting on a peer")]
+    # every busy worker waits on a peer: the call stalled between them, no worker at fault
+    assert judge_hung({**alive, ("env", 1): "alive"}, busy, dict.fromkeys(busy, True), known=set()) == []
+    # a worker already named (dead) is not named again
+    assert judge_hung(stopped, busy, {}, known={("env", 1)}) == []
+
+
+def test_the_chaos_report_names_the_workers_a_fault_took_with_it():
+    from embodied.chaos import Injected
+
+    shot = Injected(Injection(3, 0.5, "env", 1, "stop"), pid=11, worker_pid=11, unix_time=0.0, iteration=3)
+    event = {"pid": 11, "group": "env", "rank": 1, "kind": "hung", "call": "rollout", "action": "replaced",
+             "recovery_s": 20.0, "iterations_lost": 0, "recovery": 0, "detected_at": 45.0}
+    survivor = {**event, "pid": 12, "rank": 0}
+    isolated = report([shot], [shot.injection], {"count": 1, "events": [event], "episodes_failed": 16})
+    assert isolated["collateral"] == 0 and isolated["injections"][0]["others_replaced"] == []
+    assert isolated["injections"][0]["detected_after_s"] == 45.0
+    assert "| none |" in markdown(isolated) and "16 episodes failed" in markdown(isolated)
+    cascade = report([shot], [shot.injection], {"count": 2, "events": [event, survivor], "episodes_failed": 32})
+    assert cascade["collateral"] == 1 and cascade["injections"][0]["others_replaced"] == ["env 0 (hung)"]
 
 
 def test_the_chaos_schedule_is_seeded_spread_and_hits_every_target():
@@ -100,6 +140,81 @@ def test_a_worker_whose_constructor_hangs_is_reported_hung_within_its_start_dead
     assert (fault.group, fault.rank, fault.kind) == ("env", 0, "hung")
     assert "env worker rank 0 hung during env start-up" in str(failure.value)
     assert "start-up deadline of 3 s" in str(failure.value) and "runner.first_call_deadline_s" in str(failure.value)
+
+
+class Blocked(Worker):
+    """A worker whose call waits on a channel item that never comes (a peer that hangs)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def wait_for_peer(self, channel: Channel) -> None:
+        with self.waiting():
+            channel.get(("never", self.rank))
+
+
+def test_one_stopped_worker_is_named_hung_and_its_peers_blocked_on_it_are_kept(ray_cluster):
+    """Both ranks wait on the channel and one is SIGSTOPped: only it is silent (the other answers on
+    its control thread while its call blocks) and named; closing the channel ends the other's call."""
+    from embodied.config import PlacementConfig
+    from scheduler.placement import make_plan
+    from scheduler.runtime.cluster import cluster_devices
+
+    plan = make_plan(PlacementConfig(env_workers=2, env="0-1", rollout="0", actor="1"), cluster_devices(), num_envs=2)
+    watchdog = Watchdog(Deadlines(floor_s=1, factor=1, first_s=1, fixed_s=2), probe_every_s=1, ping_timeout_s=3)
+    group = watchdog.watch(WorkerGroup(Blocked, "env", plan, start_deadline_s=120))
+    channel = Channel()
+    try:
+        pids = group.call("pid")
+        refs = group.call_async("wait_for_peer", channel)
+        time.sleep(0.5)
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(WorkerFailure) as failure:
+            watchdog.get(refs, "wait_for_peer")
+        assert [(f.group, f.rank, f.kind) for f in failure.value.faults] == [("env", 1, "hung")], failure.value
+        assert "does not answer a ping" in failure.value.faults[0].detail
+        group.kill(1)
+        channel.close()
+        assert watchdog.settle(10) == []  # the survivor's call ended with the channel: not hung
+    finally:
+        group.shutdown()
+
+
+class Works(Worker):
+    """A worker busy in its own work: computing (``spin``) or stuck without using a core (``sleep``)."""
+
+    def spin(self, seconds: float) -> float:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+        return seconds
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_worker_past_its_deadline_that_still_computes_is_waited_for_one_that_does_not_is_hung(ray_cluster):
+    """A loaded machine or a call whose cost jumped (SAC's first real update after no-op ones) is slow,
+    not hung: its CPU time grows, and the watchdog waits on (up to the start-up deadline)."""
+    from embodied.config import PlacementConfig
+    from scheduler.placement import make_plan
+    from scheduler.runtime.cluster import cluster_devices
+
+    plan = make_plan(PlacementConfig(env_workers=1, env="0", rollout="0", actor="1"), cluster_devices(), num_envs=1)
+    deadlines = Deadlines(floor_s=2, factor=1, first_s=60)
+    deadlines.record("spin", 0.1)
+    deadlines.record("sleep", 0.1)
+    watchdog = Watchdog(deadlines, probe_every_s=1, ping_timeout_s=3)
+    group = watchdog.watch(WorkerGroup(Works, "env", plan, start_deadline_s=120))
+    try:
+        assert watchdog.get(group.call_async("spin", 9.0), "spin") == [9.0]  # 4.5 x its deadline of 2 s
+        with pytest.raises(WorkerFailure) as failure:
+            watchdog.get(group.call_async("sleep", 600.0), "sleep")
+        assert [(f.rank, f.kind) for f in failure.value.faults] == [(0, "hung")]
+        assert "busy in its own work" in failure.value.faults[0].detail
+    finally:
+        group.shutdown()
 
 
 def _train_with(tmp_path, *injections: Injection, overrides: tuple[str, ...] = ()):

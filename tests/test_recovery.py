@@ -88,3 +88,40 @@ def test_beyond_the_budget_give_up_runs_then_the_run_stops():
     with pytest.raises(RestartBudgetExceeded):
         recovery.guarded(work)
     assert given_up == ["rollout"] and len(recovery.faults.records) == 1
+
+
+class SettlingWorkers(ReplacingWorkers):
+    """``recover`` replaces what a failure names, plus ``stuck``: survivors whose calls did not end."""
+
+    def __init__(self, stuck: list[WorkerFault]):
+        super().__init__()
+        self.stuck = stuck
+
+    def recover(self, failure: WorkerFailure) -> list[WorkerFault]:
+        return super().recover(failure) + self.stuck
+
+
+def test_one_hung_worker_charges_the_budget_once_and_fails_only_its_own_episodes():
+    """Issue 57: the watchdog names the stopped env worker alone (tests/test_faults.py), so one restart
+    is spent and only its envs' episodes end as failed; with 2 env workers, the other's are not."""
+    workers, events = ReplacingWorkers(), []
+    recovery = _recovery(workers, events)
+    hung = WorkerFault("env", 1, "hung", "rollout", "no answer within its deadline; it does not answer a ping", 7)
+
+    def work():
+        raise WorkerFailure("rollout", [hung], "deadline")
+    assert recovery.guarded(work) == (False, None)
+    assert workers.replaced == [("env", 1)]
+    assert {group: len(times) for group, times in recovery.faults.budget.restarts.items()} == {"env": 1}
+    (record,) = recovery.faults.records
+    assert (record.rank, record.kind, record.episodes_failed) == (1, "hung", 4)
+    assert recovery.faults.summary()["episodes_failed"] == 4  # one worker's envs (envs_per_worker=4), not 8
+
+
+def test_a_survivor_still_busy_after_the_channel_closed_is_recorded_but_not_charged():
+    stuck = WorkerFault("rollout", 0, "hung", "rollout", "still busy 30 s after the call was aborted", 9)
+    workers, events = SettlingWorkers([stuck]), []
+    recovery = _recovery(workers, events)
+    recovery.guarded(_failing(1, "env"))
+    assert {group: len(times) for group, times in recovery.faults.budget.restarts.items()} == {"env": 1}
+    assert [(r.group, r.episodes_failed) for r in recovery.faults.records] == [("env", 4), ("rollout", 0)]

@@ -19,7 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from embodied.chaos import GROUP_OF, TARGETS, ChaosMonkey, Injection, compare, draw_schedule, markdown, report
+from embodied.chaos import (
+    GROUP_OF,
+    STOP_SHARES,
+    TARGETS,
+    ChaosMonkey,
+    Injection,
+    compare,
+    cpu_contention,
+    draw_schedule,
+    markdown,
+    report,
+)
 from embodied.commands.common import (
     composed_overrides,
     config_command,
@@ -47,6 +58,12 @@ def _schedule_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", default="env,rollout,actor", metavar="LIST",
                         help=f"which processes to signal, comma-separated: some of {', '.join(TARGETS)} "
                         "(simulator: the sim processes of env workers, with env.num_procs > 0)")
+    parser.add_argument("--signal", choices=sorted(STOP_SHARES), default="mixed",
+                        help="which signal the injections send: mixed (a quarter SIGSTOP, a hang; the rest SIGKILL), "
+                        "kill or stop (default: mixed)")
+    parser.add_argument("--busy-loops", type=int, default=0, metavar="N",
+                        help="run N busy loops (`while True: pass`) beside the training, once its workers are up and "
+                        "until its final evaluation ends: faults under CPU contention (default: 0)")
     parser.add_argument("--reference", action="store_true",
                         help="also train without faults (into <run_dir>/reference) and compare the final evaluations")
 
@@ -56,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = composed_overrides(args)
     if printed_job_config(args, lambda: compose(overrides)):
         return 0
-    chaos = Chaos(args.faults, args.chaos_seed, parse_targets(args.targets))
+    chaos = Chaos(args.faults, args.chaos_seed, parse_targets(args.targets), STOP_SHARES[args.signal],
+                  max(0, args.busy_loops))
     run_dir, summary = train_once(prepare(overrides), alongside=chaos.injecting)
     result = report(chaos.monkey.fired, chaos.schedule, summary["faults"])
     if args.reference:
@@ -86,13 +104,16 @@ class Chaos:
     faults: int
     seed: int
     targets: tuple[str, ...]
+    stop_share: float = STOP_SHARES["mixed"]  # of the injections, those that SIGSTOP (a hang)
+    busy_loops: int = 0  # busy loops beside the training (CPU contention)
     schedule: list[Injection] = field(default_factory=list)
     monkey: ChaosMonkey | None = None
 
     @contextlib.contextmanager
     def injecting(self, trainer: Trainer) -> Iterator[ChaosMonkey]:
         """Fire the schedule into ``trainer`` while the block runs; stop firing when it ends, however."""
-        self.schedule = draw_schedule(self.seed, self.faults, trainer.total_iterations, self.targets)
+        self.schedule = draw_schedule(self.seed, self.faults, trainer.total_iterations, self.targets,
+                                      stop_share=self.stop_share)
         per_group = Counter(GROUP_OF[i.target] for i in self.schedule)
         limit = trainer.cfg.runner.max_worker_restarts
         if max(per_group.values(), default=0) > limit:
@@ -100,11 +121,12 @@ class Chaos:
                   f"({dict(per_group)}; simulator faults restart env workers), beyond runner.max_worker_restarts="
                   f"{limit}: the run will stop there unless you raise it", file=sys.stderr)
         self.monkey = ChaosMonkey(trainer, self.schedule)
-        self.monkey.start()
-        try:
-            yield self.monkey
-        finally:
-            self.monkey.stop()
+        with cpu_contention(self.busy_loops):
+            self.monkey.start()
+            try:
+                yield self.monkey
+            finally:
+                self.monkey.stop()
 
 
 def _compare_with_reference(overrides: list[str], run_dir: Path, summary: dict) -> dict:

@@ -9,9 +9,16 @@ deadline, becomes a :class:`WorkerFailure` naming each faulty worker as a :class
   of memory);
 - ``node_failed``: dead, and so is the Ray node it ran on;
 - ``hung``: the call outlived its deadline and the worker does not answer a ping (a stopped
-  or deadlocked process), or answers but is busy in its own work, not waiting on a peer
-  (a simulator stuck inside a step);
+  process), or answers but is busy in its own work, not waiting on a peer, and does not compute
+  (under 5% of a core: a deadlock, a simulator that stopped inside a step);
 - ``crashed``: it raised (an env process that crashed below an EnvWorker).
+
+Each worker is judged by its own answers (:func:`judge_hung`), never by a call of it that waits on
+another: the pings and questions run on threads of their own in every worker
+(``CONTROL_METHODS`` in scheduler/runtime/worker.py), so a worker blocked on a hung peer answers
+and is kept (the recovery's new channel ends its call). A worker past its deadline that answers and
+works in its own right (its CPU time grows: a loaded machine, a call whose cost jumped, as SAC's
+first real update after its no-op ones) is waited for, up to the start-up deadline.
 
 A rank whose constructor outlives its start-up deadline (first start or replacement) is ``hung``
 too: :func:`scheduler.runtime.worker.wait_ready` raises that :class:`WorkerFailure`. The fault classes
@@ -28,6 +35,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import sys
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -123,7 +131,9 @@ class Watchdog:
         import ray
 
         self.in_flight += refs
-        deadline = self.deadlines.of(call)
+        deadline = base = self.deadlines.of(call)
+        # a worker still working past the deadline is waited for up to the start-up deadline (not past a fixed one)
+        limit = base if self.deadlines.fixed_s is not None else max(base, self.deadlines.first_s)
         started = last_probe = time.perf_counter()
         watched = {r.hex() for r in (refs if fetch else inspect or [])}
         values: dict[str, object] = {}
@@ -131,7 +141,16 @@ class Watchdog:
         while pending:
             elapsed = time.perf_counter() - started
             if elapsed > deadline:
-                raise self._failure(call, pending, f"no answer within its deadline of {deadline:.0f} s", timeout=True)
+                detail = (f"no answer within its deadline of {base:.0f} s" if deadline == base else
+                          f"no answer within {elapsed:.0f} s (its deadline of {base:.0f} s, extended while it worked)")
+                failure = self._failure(call, pending, detail, timeout=True)
+                if elapsed >= limit or not self._still_working(failure, pending):
+                    raise failure
+                deadline = min(limit, time.perf_counter() - started + base)
+                print(f"watchdog: {call} is past its deadline of {base:.0f} s, but "
+                      f"{', '.join(f'{f.group} rank {f.rank}' for f in failure.faults)} still works (its CPU time "
+                      f"grows): waiting up to {deadline:.0f} s", file=sys.stderr, flush=True)
+                continue
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(self.probe_every_s, deadline - elapsed),
                                       fetch_local=False)
             values.update(self._read(call, [r for r in ready if r.hex() in watched]))
@@ -203,18 +222,43 @@ class Watchdog:
 
     def _hung_workers(self, call: str, pending: list, deadline: str, known: set) -> list[WorkerFault]:
         """After a deadline: workers that do not answer a ping, else those still busy with the call
-        in their own work (not waiting on a peer)."""
+        in their own work (not waiting on a peer); each judged by its own answers (:func:`judge_hung`)."""
         import ray
 
         status = self._ping_all(self.ping_timeout_s)
-        silent = [key for key, state in status.items() if state == "silent" and key not in known]
-        if silent:
-            return [self._fault(name, rank, "hung", call, f"{deadline}; it does not answer a ping")
-                    for name, rank in silent]
         busy = {self._owner(ref) for ref in pending} - {None} - known
-        working = [key for key in sorted(busy) if not ray.get(self.groups[key[0]].workers[key[1]].activity.remote())]
-        return [self._fault(name, rank, "hung", call, f"{deadline}; busy in its own work, not waiting on a peer")
-                for name, rank in working]
+        waiting: dict[tuple[str, int], bool | None] = {}
+        if not _silent(status, known):  # what the busy ones do: asked on their control threads, with a timeout
+            asked = {key: self.groups[key[0]].workers[key[1]].activity.remote() for key in sorted(busy)
+                     if status.get(key) == "alive"}
+            answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=self.ping_timeout_s)
+            waiting = {key: _value_or_none(ref) if ref in answered else None for key, ref in asked.items()}
+        return [self._fault(name, rank, "hung", call, f"{deadline}; {why}")
+                for (name, rank), why in judge_hung(status, busy, waiting, known)]
+
+    def _still_working(self, failure: WorkerFailure, pending: list, window_s: float = 5.0,
+                       share: float = 0.05) -> bool:
+        """Whether every worker ``failure`` names is busy in its own work (none silent, dead or crashed)
+        and uses at least ``share`` of a core over the next ``window_s`` (its process and simulators):
+        slow, not hung. Waits on ``pending`` meanwhile."""
+        import ray
+
+        if not failure.faults or any(f.kind != "hung" or not f.detail.endswith(BUSY) for f in failure.faults):
+            return False
+        workers = [self.groups[f.group].workers[f.rank] for f in failure.faults]
+        before = self._ask(workers, "cpu_seconds")
+        ray.wait(pending, num_returns=len(pending), timeout=window_s, fetch_local=False)
+        after = self._ask(workers, "cpu_seconds")
+        return all(a is not None and b is not None and b - a >= share * window_s
+                   for a, b in zip(before, after, strict=True))
+
+    def _ask(self, workers: list, method: str) -> list:
+        """Each worker's answer to ``method`` (a control method), None where none came within the ping timeout."""
+        import ray
+
+        refs = [getattr(worker, method).remote() for worker in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.ping_timeout_s)
+        return [_value_or_none(ref) if ref in ready else None for ref in refs]
 
     def _fault(self, group: str, rank: int, kind: str, call: str, detail: str) -> WorkerFault:
         process = self.groups[group].processes[rank]
@@ -245,6 +289,39 @@ class Watchdog:
     def _forget(self, refs: list) -> None:
         done = {r.hex() for r in refs}
         self.in_flight = [r for r in self.in_flight if r.hex() not in done]
+
+
+SILENT = "it does not answer a ping"
+BUSY = "busy in its own work, not waiting on a peer"
+
+
+def judge_hung(status: dict[tuple[str, int], str], busy: set[tuple[str, int]],
+               waiting: dict[tuple[str, int], bool | None], known: set) -> list[tuple[tuple[str, int], str]]:
+    """Which workers a call that outlived its deadline is traced to, and why: each worker is judged by
+    its own answers, never by a call of it that waits on another. ``status``: each worker's ping
+    (``alive`` / ``dead`` / ``silent``); ``busy``: the workers whose part of the call is still running;
+    ``waiting``: of those, whether each waits on a peer right now (absent or None: no answer); ``known``:
+    workers already named. A silent worker is the hang (its peers, blocked on it, answer); with none
+    silent, a busy worker that says it is not waiting on a peer is stuck in its own work (a simulator
+    step). One that answered its ping but not the question is alive, so not named: if its call does
+    not end once the channel is renewed, the recovery's settle names it."""
+    silent = _silent(status, known)
+    if silent:
+        return [(key, SILENT) for key in silent]
+    return [(key, BUSY) for key in sorted(busy - known) if waiting.get(key) is False]
+
+
+def _silent(status: dict[tuple[str, int], str], known: set) -> list[tuple[str, int]]:
+    return sorted(key for key, state in status.items() if state == "silent" and key not in known)
+
+
+def _value_or_none(ref):
+    import ray
+
+    try:
+        return ray.get(ref)
+    except Exception:
+        return None
 
 
 def _with_log_tails(failure: WorkerFailure) -> WorkerFailure:

@@ -35,7 +35,7 @@ START_DEADLINE_S = 900.0
 # every other call runs on the worker's one call thread: torch's OpenMP keeps one thread pool per calling
 # thread, and pools of several threads (Ray's default of calls on any of four) oversubscribe the cores, so
 # OpenMP's threads sleep between operations: the actor's update ran 15-25% slower than in a plain process
-CONTROL_METHODS = ("ping", "process", "activity", "node_id")
+CONTROL_METHODS = ("ping", "process", "activity", "node_id", "cpu_seconds")
 
 FAULT_KINDS = {"dead": "died", "hung": "hung", "node_failed": "was lost with its node", "crashed": "raised"}
 
@@ -110,6 +110,20 @@ class Worker:
         """Whether this worker is waiting on a peer right now (see ``waiting_on_peers``)."""
         return self.waiting_on_peers
 
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by this worker's process and the processes it started (its simulators):
+        whether a worker past its call's deadline is still working (scheduler/runtime/faults.py)."""
+        import psutil
+
+        me = psutil.Process()
+        total = sum(me.cpu_times()[:2])
+        for child in me.children(recursive=True):
+            try:
+                total += sum(child.cpu_times()[:2])
+            except psutil.Error:  # it ended meanwhile
+                pass
+        return total
+
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """Mark the time inside as waiting on a peer (a channel get)."""
@@ -157,11 +171,30 @@ def _actor_class(cls: type):
 
     def control(name: str) -> Callable:
         method = getattr(cls, name)
-        same = functools.wraps(method)(lambda self, *args, **kwargs: method(self, *args, **kwargs))
+
+        def same(self, *args, **kwargs):
+            return method(self, *args, **kwargs)
+
+        # not functools.wraps: Ray reads a method's marks after ``inspect.unwrap``, which follows
+        # ``__wrapped__`` back to the unmarked method, and the call then queues behind the running one
+        # (a worker blocked on a peer never answered a ping: issue 57)
+        same.__name__, same.__qualname__, same.__doc__ = name, f"{cls.__name__}.{name}", method.__doc__
         return ray.method(concurrency_group="control")(same)
 
     marked = type(cls.__name__, (cls,), {name: control(name) for name in CONTROL_METHODS})
-    return ray.remote(concurrency_groups={"control": len(CONTROL_METHODS)})(marked)
+    actor_class = ray.remote(concurrency_groups={"control": len(CONTROL_METHODS)})(marked)
+    lost = sorted(set(CONTROL_METHODS) - set(control_methods(actor_class)))
+    if lost:  # a Ray that reads the marks elsewhere: the watchdog would take every busy worker for a hung one
+        raise RuntimeError(f"Ray dropped the concurrency group of {', '.join(lost)} on {cls.__name__}: pings would "
+                           "wait behind a running call")
+    return actor_class
+
+
+def control_methods(actor_class) -> dict[str, str]:
+    """The methods of a Ray actor class that Ray runs in a concurrency group of their own, and the group
+    (read from the class's metadata, as Ray built it)."""
+    meta = getattr(actor_class, "__ray_metadata__", None)
+    return dict(getattr(getattr(meta, "method_meta", None), "concurrency_group_for_methods", None) or {})
 
 
 def resident_mib() -> float:
