@@ -73,10 +73,11 @@ class Injected:
 class ChaosMonkey(threading.Thread):
     """Fires a schedule of injections into a running :class:`~embodied.trainer.Trainer`."""
 
-    def __init__(self, trainer, schedule: list[Injection], poll_s: float = 0.1):
+    def __init__(self, trainer, schedule: list[Injection], poll_s: float = 0.1, retry_s: float = 0.5):
         super().__init__(daemon=True, name="chaos")
-        self.trainer, self.schedule, self.poll_s = trainer, schedule, poll_s
+        self.trainer, self.schedule, self.poll_s, self.retry_s = trainer, schedule, poll_s, retry_s
         self.fired: list[Injected] = []
+        self.missed: dict[int, str] = {}  # schedule index -> why it never fired (the run ended first)
         self.done = threading.Event()
 
     def stop(self) -> None:
@@ -91,23 +92,41 @@ class ChaosMonkey(threading.Thread):
 
     def run(self) -> None:
         trainer = self.trainer
-        for injection in self.schedule:
+        for index, injection in enumerate(self.schedule):
+            self.missed[index] = "the run ended before its iteration"
             if not self._wait_until(lambda i=injection: trainer.progress.iteration >= i.iteration
                                     and not trainer.recovery.recovering):
                 return
             if self.done.wait(injection.delay_s):
                 return
-            if not self._wait_until(lambda: not trainer.recovery.recovering):
+            # a target can be between lives (a worker being replaced, a simulator restarting): try again
+            # until it fires, so a schedule is what the run gets, not what the timing allowed
+            while not self.done.is_set():
+                if self._wait_until(lambda: not trainer.recovery.recovering):
+                    why = self._fire(injection)
+                    if why is None:
+                        del self.missed[index]
+                        break
+                    self.missed[index] = why
+                self.done.wait(self.retry_s)
+            if self.done.is_set():
                 return
+
+    def _fire(self, injection: Injection) -> str | None:
+        """Signal the injection's process; None once sent, else why it could not be."""
+        try:
             target = self._process(injection)
-            if target is None:
-                continue
-            pid, owner = target
-            try:
-                os.kill(pid, SIGNALS[injection.how])
-            except ProcessLookupError:
-                continue
-            self.fired.append(Injected(injection, pid, owner, time.time(), trainer.progress.iteration))
+        except Exception as error:  # a worker that died or is busy past the timeout: its pid is not to be had
+            return f"its process could not be found: {type(error).__name__}: {error}"
+        if target is None:
+            return f"no {injection.target} process was running"
+        pid, owner = target
+        try:
+            os.kill(pid, SIGNALS[injection.how])
+        except ProcessLookupError:
+            return f"process {pid} had already ended"
+        self.fired.append(Injected(injection, pid, owner, time.time(), self.trainer.progress.iteration))
+        return None
 
     def _process(self, injection: Injection) -> tuple[int, int] | None:
         """(pid to signal, pid of the worker that owns it), or None if there is none."""
@@ -122,14 +141,16 @@ class ChaosMonkey(threading.Thread):
         owner = group.processes[rank].pid
         if injection.target != "simulator":
             return owner, owner
+        # simulator_pids answers on the worker's control threads, even mid-rollout
         sims = ray.get(group.workers[rank].simulator_pids.remote(), timeout=10)
         return (sims[injection.rank % len(sims)], owner) if sims else None
 
 
-def report(fired: list[Injected], schedule: list[Injection], faults: dict) -> dict:
+def report(fired: list[Injected], schedule: list[Injection], faults: dict,
+           missed: dict[int, str] | None = None) -> dict:
     """Each injection matched to the fault the run recorded for its worker (by pid), with the other
     workers its recovery replaced (``others_replaced``; faults recorded that match no injection are
-    ``collateral``)."""
+    ``collateral``); ``missed``: the scheduled injections that never fired, and why."""
     events = list(faults.get("events", []))
     rows = []
     for shot in fired:
@@ -149,7 +170,8 @@ def report(fired: list[Injected], schedule: list[Injection], faults: dict) -> di
                                                                               for r in rows),
             "faults_recorded": faults.get("count", 0), "collateral": len(events),
             "episodes_failed": faults.get("episodes_failed", 0), "iterations_lost": faults.get("iterations_lost", 0),
-            "recovery_s": faults.get("recovery_s", 0.0), "injections": rows}
+            "recovery_s": faults.get("recovery_s", 0.0), "injections": rows,
+            "missed": [{**asdict(schedule[index]), "why": why} for index, why in sorted((missed or {}).items())]}
 
 
 @contextlib.contextmanager
@@ -190,6 +212,9 @@ def markdown(result: dict) -> str:
                  f"({result.get('collateral', 0)} of them on workers no injection hit), {result['iterations_lost']} "
                  f"iterations lost, {result.get('episodes_failed', 0)} episodes failed by error, "
                  f"{result['recovery_s']:.0f} s spent recovering.")
+    for miss in result.get("missed", []):
+        lines.append(f"- not injected: {miss['target']} {miss['how']} due at iteration {miss['iteration']}: "
+                     f"{miss['why']}")
     if "reference" in result:
         ref = result["reference"]
         lines.append(f"Final evaluation: success_once {ref['success_once']:.3f} with faults, "

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     chaos = Chaos(args.faults, args.chaos_seed, parse_targets(args.targets), STOP_SHARES[args.signal],
                   max(0, args.busy_loops))
     run_dir, summary = train_once(prepare(overrides), alongside=chaos.injecting)
-    result = report(chaos.monkey.fired, chaos.schedule, summary["faults"])
+    result = report(chaos.monkey.fired, chaos.schedule, summary["faults"], chaos.monkey.missed)
     if args.reference:
         result["reference"] = _compare_with_reference(overrides, run_dir, summary)
     (run_dir / "chaos.json").write_text(json.dumps(result, indent=1))

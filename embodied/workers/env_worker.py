@@ -28,6 +28,9 @@ from scheduler.runtime.worker import Worker, resident_mib
 
 
 class EnvWorker(Worker):
+    # answered while a step runs: `embodied chaos` asks which simulator process to kill mid-rollout
+    extra_control_methods = ("simulator_pids",)
+
     def __init__(self, env_cfg, layout: BatchLayout, **kwargs):
         super().__init__(**kwargs)
         self.env_cfg = env_cfg

@@ -84,6 +84,8 @@ class Worker:
     # True while the worker waits for a peer (a channel item): a call that outlives its deadline
     # is then someone else's hang, not this worker's (scheduler/runtime/faults.py)
     waiting_on_peers = False
+    # a subclass's quick read-only methods that, like CONTROL_METHODS, answer while a long call runs
+    extra_control_methods: tuple[str, ...] = ()
 
     def __init__(self, rank: int, world_size: int, device_kind: str = "cpu", torch_threads: int = 1,
                  local_device: int = 0, pin_cpu: bool = False):
@@ -165,7 +167,8 @@ class Worker:
 
 @functools.cache
 def _actor_class(cls: type):
-    """``cls`` as a Ray actor class: calls on one thread, :data:`CONTROL_METHODS` on threads of their own
+    """``cls`` as a Ray actor class: calls on one thread, :data:`CONTROL_METHODS` (and the class's own
+    ``extra_control_methods``: quick read-only questions) on threads of their own
     (a subclass carries the marks: ``cls`` itself stays usable with a plain ``ray.remote``)."""
     import ray
 
@@ -181,9 +184,10 @@ def _actor_class(cls: type):
         same.__name__, same.__qualname__, same.__doc__ = name, f"{cls.__name__}.{name}", method.__doc__
         return ray.method(concurrency_group="control")(same)
 
-    marked = type(cls.__name__, (cls,), {name: control(name) for name in CONTROL_METHODS})
-    actor_class = ray.remote(concurrency_groups={"control": len(CONTROL_METHODS)})(marked)
-    lost = sorted(set(CONTROL_METHODS) - set(control_methods(actor_class)))
+    names = CONTROL_METHODS + tuple(getattr(cls, "extra_control_methods", ()))  # plain classes in tests too
+    marked = type(cls.__name__, (cls,), {name: control(name) for name in names})
+    actor_class = ray.remote(concurrency_groups={"control": len(names)})(marked)
+    lost = sorted(set(names) - set(control_methods(actor_class)))
     if lost:  # a Ray that reads the marks elsewhere: the watchdog would take every busy worker for a hung one
         raise RuntimeError(f"Ray dropped the concurrency group of {', '.join(lost)} on {cls.__name__}: pings would "
                            "wait behind a running call")
