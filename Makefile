@@ -24,7 +24,7 @@ MW_VENV ?= .venv-metaworld
 MW_REQUIREMENTS := assets/metaworld/requirements.txt
 MW_STAMP := $(MW_VENV)/.embodied-installed
 
-.PHONY: setup train test test-unit lint clean-venv
+.PHONY: setup train test test-unit test-all lint clean-venv
 
 # MetaWorld's interpreter first: setup-render (in the project's) checks that it renders too
 setup: $(MW_STAMP) $(STAMP)
@@ -52,6 +52,9 @@ test: setup
 
 test-unit: setup  # the fast loop: pure-logic tests only (tiers: tests/conftest.py)
 	$(BIN)/python -m pytest -m "unit and not slow" $(PYTEST_ARGS)
+
+test-all: setup  # every tier, slow tests included (pyproject's addopts leave them out)
+	$(BIN)/python -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

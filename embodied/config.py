@@ -265,9 +265,9 @@ def unknown_key_error(dotted: str) -> UserError:
     for part in dotted.split("."):
         valid = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
         if part not in valid:
-            close = difflib.get_close_matches(part, valid, n=1)
             where = ".".join(known_path) or "the top level"
-            hint = f" Did you mean '{'.'.join(known_path + close)}'?" if close else ""
+            nearest = nearest_key(dotted, known_path, valid)
+            hint = f" Did you mean {nearest}?" if nearest else ""
             return UserError(
                 f"Unknown config key '{dotted}'.{hint} Keys at {where}: {', '.join(valid)}. "
                 "Fix the override or the yaml file that sets it (`embodied train --cfg job` prints every key)."
@@ -275,6 +275,38 @@ def unknown_key_error(dotted: str) -> UserError:
         known_path.append(part)
         node = node[part]
     return UserError(f"Config key '{dotted}' cannot be set this way; see `embodied train --cfg job`.")
+
+
+def every_key(node: DictConfig | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, sections included: ``env``, ``env.task``, ..., ``algorithm.sac.tau``."""
+    node = OmegaConf.structured(TrainConfig) if node is None else node
+    keys = []
+    for key in node.keys():
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        if isinstance(node[key], DictConfig):
+            keys += every_key(node[key], f"{dotted}.")
+    return keys
+
+
+def nearest_key(dotted: str, known_path: list[str], valid: list[str]) -> str | None:
+    """The key(s) ``dotted`` most likely meant, quoted: those it is the tail of (``sac.buffer_size`` ->
+    ``'algorithm.sac.buffer_size'``; ``lr`` -> ``'algorithm.lr' or 'sft.lr'``), a near spelling at the
+    level it went wrong (``algorithm.lrr`` -> ``'algorithm.lr'``, ``evl.episodes`` -> ``'eval.episodes'``),
+    else the nearest key with the same last name, or spelling, anywhere."""
+    keys = every_key()
+    tails = [k for k in keys if k.endswith(f".{dotted}")]
+    if tails:
+        return " or ".join(f"'{k}'" for k in tails[:3])
+    parts = dotted.split(".")
+    close = difflib.get_close_matches(parts[len(known_path)], valid, n=1)
+    if close:
+        respelled = ".".join([*known_path, *close, *parts[len(known_path) + 1:]])
+        return f"'{respelled if respelled in keys else '.'.join(known_path + close)}'"
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == parts[-1]]
+    nearest = (difflib.get_close_matches(dotted, same_leaf, n=1, cutoff=0.0)
+               or difflib.get_close_matches(dotted, keys, n=1))
+    return f"'{nearest[0]}'" if nearest else None
 
 
 def unknown_group_option_error(group: str, option: str) -> UserError:

@@ -3,7 +3,9 @@ and range in the schema (embodied/config.py), :func:`check_ranges` checks a comp
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 
 from envs.common import UserError
 
@@ -42,5 +44,12 @@ def check_ranges(cfg, prefix: str = "") -> None:
             check_ranges(value, f"{prefix}{key.name}.")
         elif allowed is not None and value is not None and not allowed.holds(value):
             raise UserError(f"{prefix}{key.name}={value} is out of range: it must be {allowed.describe()} "
-                            f"({type(cfg).__name__} in embodied/config.py, algorithm_config.py or policy_config.py "
-                            "says what it means). Fix the override or the yaml file that sets it.")
+                            f"({type(cfg).__name__} in {defining_file(type(cfg))} says what it means). Fix the "
+                            "override or the yaml file that sets it.")
+
+
+def defining_file(schema: type) -> str:
+    """The file that declares a config section, from the project's root: ``embodied/algorithm_config.py``."""
+    path = Path(inspect.getsourcefile(schema)).resolve()
+    root = Path(__file__).resolve().parents[1]
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)

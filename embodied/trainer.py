@@ -95,7 +95,9 @@ class Trainer:
         self.episodic = self.algorithm.episodic
         self.success_ends_episode = success_ends_episode(cfg)
         self.total_iterations = math.ceil(cfg.runner.total_env_steps / self.steps_per_iteration)
-        self.log = RunLogger(run_dir, cfg.runner.total_env_steps, self.progress.env_steps, cfg.runner.progress)
+        limit = cfg.runner.max_minutes
+        self.log = RunLogger(run_dir, cfg.runner.total_env_steps, self.progress.env_steps, cfg.runner.progress,
+                             max_seconds=None if limit is None else limit * 60, elapsed_s=self.progress.train_seconds)
         if self.workers.auto is not None:
             auto = self.workers.auto
             self.log.note("placement", f"auto, from {auto.profile_path}:\n{auto.choice.markdown(limit=12)}")
@@ -330,7 +332,8 @@ class Trainer:
                 "env/episodes": len(episodes),
             })
         self.log.scalars(scalars, p.env_steps)
-        self.log.advance(self.steps_per_iteration, success=scalars.get("env/success_once"))
+        self.log.advance(self.steps_per_iteration, success=scalars.get("env/success_once"),
+                         elapsed_s=p.train_seconds + t2 - t0)
 
     def _periodic_eval(self, elapsed: float) -> float:
         """Evaluate on one batch of episodes; returns success_once. ``elapsed``: this iteration's time so far."""

@@ -20,6 +20,7 @@ from embodied.config import (
 )
 from envs.common import UserError
 from policies.registry import check_policy_config, resolve_policy_settings
+from tests.conftest import REPO
 
 OPTIONS = [(group, option) for group, options in sorted(config_groups().items()) for option in options]
 
@@ -129,8 +130,11 @@ def test_a_numeric_key_outside_its_range_is_refused_and_its_bounds_are_not(key, 
         return cfg
 
     if allowed.low is not None:
-        with pytest.raises(UserError, match=f"{key}=.* is out of range: it must be"):
+        with pytest.raises(UserError, match=f"{key}=.* is out of range: it must be") as refused:
             check_ranges(with_value(allowed.low if allowed.above else allowed.low - 1))
+        # it names the one file that declares the key, and that file does
+        named = re.search(r"in (\S+\.py) says what it means", str(refused.value)).group(1)
+        assert re.search(rf"^    {key.rsplit('.', 1)[-1]}: ", (REPO / named).read_text(), re.M), named
         check_ranges(with_value(allowed.low + 0.5 if allowed.above else allowed.low))  # the smallest allowed
     if allowed.high is not None:
         with pytest.raises(UserError, match=f"{key}=.* is out of range"):
@@ -165,6 +169,19 @@ def test_a_config_file_may_pick_options_in_a_defaults_list_and_set_keys_of_the_s
     mine.write_text("defaults: [{envv: libero_10}]\n")
     with pytest.raises(UserError, match="defaults"):
         file_overrides(mine)
+
+
+@pytest.mark.parametrize(("wrong", "meant"), [
+    ("sac.buffer_size", "'algorithm.sac.buffer_size'"),  # a section left out
+    ("algorithm.buffer_size", "'algorithm.sac.buffer_size'"),  # a nested section left out
+    ("algorithm.lrr", "'algorithm.lr'"),  # misspelled
+    ("evl.episodes", "'eval.episodes'"),  # a misspelled section, the rest right
+    ("policy.vla.modle_path", "'policy.vla.model_path'"),
+    ("lr", "'algorithm.lr' or 'sft.lr'"),  # two keys end so: both
+])
+def test_an_unknown_key_suggests_the_nearest_key_however_deep(wrong, meant):
+    with pytest.raises(UserError, match=f"Unknown config key '{re.escape(wrong)}'. Did you mean {re.escape(meant)}\\?"):
+        compose([f"{wrong}=1"])
 
 
 # keys that were constants in the code (issue 37): today's value as the default, set from the command line,
@@ -247,3 +264,4 @@ def test_an_option_that_extends_another_brings_its_settings_to_a_saved_run():
     cfg = config_from_saved(saved, ["policy=pi0_3b_libero_lora"])
     assert cfg == compose(["policy=pi0_3b_libero_lora"])
     assert cfg.policy.vla.lora_rank == 32 and cfg.policy.pi.delta_actions == 6 and cfg.env.image_size == 256
+
