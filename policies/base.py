@@ -17,7 +17,13 @@ from torch.distributions import Normal
 
 from envs.common import Registry, UserError, unknown_name_error
 
-POLICIES = Registry("policy (policy.name / policy=...)")
+# each policy's module, imported when a run asks for it: a run imports its own family only
+POLICIES = Registry("policy (policy.name / policy=...)", modules={
+    "mlp": "policies.mlp", "mlp_tokens": "policies.mlp_tokens", "mlp_flow": "policies.mlp_flow",
+    "mlp_sac": "policies.mlp_sac", "cnn": "policies.cnn", "random": "policies.random",
+    "openvla": "policies.vla.policy", "openvla_oft": "policies.vla.oft", "qwen_vl": "policies.vla.qwen_vl",
+    "pi0": "policies.pi0.policy",
+})
 
 
 class Policy(nn.Module):

@@ -9,19 +9,6 @@ from policies.base import POLICIES, changed_settings, require_model_dir
 from policies.vla.checkpoint import check_normalization
 
 
-def _import_policies() -> None:
-    import policies.cnn  # noqa: F401  (each module registers its policies)
-    import policies.mlp  # noqa: F401
-    import policies.mlp_flow  # noqa: F401
-    import policies.mlp_sac  # noqa: F401
-    import policies.mlp_tokens  # noqa: F401
-    import policies.pi0.policy  # noqa: F401
-    import policies.random  # noqa: F401
-    import policies.vla.oft  # noqa: F401
-    import policies.vla.policy  # noqa: F401
-    import policies.vla.qwen_vl  # noqa: F401
-
-
 def resolve_policy_settings(policy_cfg) -> None:
     """Fill, in place, the settings ``policy_cfg`` leaves null ("the checkpoint's", "the family's own": the
     class's ``resolve_settings``), after ``policy.path`` is made ``policy.vla.model_path``. An unknown policy
@@ -30,14 +17,14 @@ def resolve_policy_settings(policy_cfg) -> None:
     if path is not None and vla.model_path is not None and path != vla.model_path:
         raise UserError(f"policy.path={path} and policy.vla.model_path={vla.model_path} name two checkpoints: "
                         "set one (policy.path, as lerobot-eval's --policy.path).")
-    _import_policies()
-    if path is not None and policy_cfg.name in POLICIES and "vla" not in POLICIES.get(policy_cfg.name).config_sections:
+    known = POLICIES.knows(policy_cfg.name)
+    if path is not None and known and "vla" not in POLICIES.get(policy_cfg.name).config_sections:
         raise UserError(f"policy.path={path}: a checkpoint directory is read by the VLA families (openvla, "
                         f"openvla_oft, qwen_vl, pi0); policy={policy_cfg.name} is trained here, and its weights "
                         "load from checkpoint=<run_dir|file.pt>.")
     if path is not None:
         vla.model_path = path
-    if policy_cfg.name in POLICIES:
+    if known:
         POLICIES.get(policy_cfg.name).resolve_settings(policy_cfg)
     elif policy_cfg.chunk_size is None:
         policy_cfg.chunk_size = 1
@@ -46,13 +33,11 @@ def resolve_policy_settings(policy_cfg) -> None:
 def policy_checkpoint_settings(policy_cfg) -> dict[str, dict]:
     """What the policy's checkpoint records of the settings its actions depend on, against the run's values
     (the class's ``checkpoint_settings``): for eval.json's provenance."""
-    _import_policies()
     return POLICIES.get(policy_cfg.name).checkpoint_settings(policy_cfg)
 
 
 def check_policy_name(name: str) -> None:
     """Raise a UserError if no policy is registered as ``name``."""
-    _import_policies()
     POLICIES.get(name)
 
 
@@ -100,13 +85,11 @@ def _check_only_its_section_is_set(policy_cfg) -> None:
 def check_policy_observations(policy_cfg, obs_spec: dict, action_dim: int) -> None:
     """The policy class's ``check_observations``: what it needs of the env's observations (camera
     keys, a proprio state of the checkpoint's size), in the driver before any policy worker starts."""
-    _import_policies()
     POLICIES.get(policy_cfg.name).check_observations(policy_cfg, obs_spec, action_dim)
 
 
 def make_policy(policy_cfg, obs_spec: dict, action_dim: int):
     """Build the policy ``policy_cfg.name`` for observations ``obs_spec`` and ``action_dim`` actions."""
-    _import_policies()
     return POLICIES.get(policy_cfg.name)(policy_cfg, obs_spec, action_dim)
 
 

@@ -33,6 +33,38 @@ def test_unknown_policy_name_is_a_user_error():
 
 
 @pytest.mark.integration  # renders a ManiSkill scene
+def test_each_policy_is_registered_by_the_module_the_registry_names():
+    """The registry imports a policy's module when a run asks for it: the map must match the decorators."""
+    import importlib
+
+    from policies.base import POLICIES
+
+    for name, module in POLICIES.modules.items():
+        cls = POLICIES.get(name)
+        assert cls.__module__ == module and getattr(importlib.import_module(module), cls.__name__) is cls, name
+    assert set(POLICIES) == set(POLICIES.modules)  # every registered policy is in the map
+
+
+@pytest.mark.integration  # a fresh interpreter: this one has imported everything
+def test_an_mlp_run_imports_no_vla_family():
+    """pi0's and the VLAs' modules pull in transformers: 2.6 s of each policy worker's start-up, and of
+    every command's config check, for runs that never use them."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    families = ("policies.pi0.policy", "policies.vla.policy", "policies.vla.oft", "policies.vla.qwen_vl")
+    script = (f"FAMILIES = {families}; import sys; from embodied.config import compose; "
+              "from policies.registry import make_policy, check_policy_config; "
+              "cfg = compose([]); check_policy_config(cfg.policy, 8); "
+              "make_policy(cfg.policy, {'state': ((42,), 'float32')}, 8); "  # what a policy worker does
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'peft') or m in FAMILIES))")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
 def test_cnn_on_rendered_camera_observations():
     cfg = compose(["env=maniskill_pushcube_rgb", "policy=cnn"])
     env = make_vec_env(cfg.env, num_envs=2, num_procs=0)
