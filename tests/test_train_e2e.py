@@ -1,6 +1,7 @@
 """End to end on real ManiSkill and real Ray: train, checkpoint, reload, eval, record, resume."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import imageio.v2 as imageio
@@ -9,6 +10,7 @@ import torch
 
 from embodied.checkpoint import load_checkpoint
 from embodied.trainer import Trainer
+from envs.seeds import Purpose, RunSeeds
 from policies.registry import make_policy
 from tests.conftest import run_cli, small_config, tb_scalars, train_between_weights
 
@@ -109,20 +111,27 @@ def test_runner_warms_up_the_critic_then_trains_near_the_kl_reference(ray_cluste
     assert changed(weights[1], weights[2]) - critic  # the actor trains once the warm-up is over
 
 
+def _train_auto(run_dir: Path, devices: int) -> subprocess.CompletedProcess:
+    """``embodied train placement.mode=auto`` on ``devices`` CPU slots, in a process of its own."""
+    return run_cli("train", *SMALL, "runner.total_env_steps=80", "eval.episodes=4", "eval.video_episodes=1",
+                   "env.render_size=64", f"runner.run_dir={run_dir}", "placement.mode=auto",
+                   f"placement.profile_dir={run_dir.parent / 'profiles'}", f"ray.num_cpus={devices}")
+
+
 def test_cli_train_then_eval_and_record(ray_cluster, tmp_path, capsys):
     """Training with ``placement.mode=auto`` (profile, plan, run the plan) in a process of its own,
-    as a user runs it, then eval and record from its checkpoint through the CLI's ``main`` in this
-    process (fresh workers on the session's cluster: the same path, without a process start each)."""
+    as a user runs it, then eval from its checkpoint through the CLI's ``main`` in this process (fresh
+    workers on the session's cluster: the same path, without a process start each). One CPU slot: one
+    probe rollout; the probes of a split (pipelined, two env workers on a device) are the slow test's
+    below. ``embodied record`` is test_record_without_checkpoint_films_a_random_policy's."""
     from embodied.cli import main as cli_main
     from embodied.provenance import digest
 
-    run_dir, profiles = tmp_path / "run", tmp_path / "profiles"
-    proc = run_cli("train", *SMALL, "runner.total_env_steps=80", "eval.episodes=4",
-                   "eval.video_episodes=1", "env.render_size=64", f"runner.run_dir={run_dir}",
-                   "placement.mode=auto", f"placement.profile_dir={profiles}")
+    run_dir = tmp_path / "run"
+    proc = _train_auto(run_dir, devices=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(run_dir.resolve())
-    for phase in ("start-up: starting Ray", "profile 1/", "start-up: workers ready in"):  # no phase is silent
+    for phase in ("start-up: starting Ray", "profile 1/2", "start-up: workers ready in"):  # no phase is silent
         assert phase in proc.stderr + proc.stdout, phase
     result = json.loads((run_dir / "eval.json").read_text())
     for key in ("success_once", "success_at_end", "return_mean", "episodes"):
@@ -132,7 +141,7 @@ def test_cli_train_then_eval_and_record(ray_cluster, tmp_path, capsys):
     assert Path(weights["checkpoint"]).parent == run_dir / "checkpoints"
     assert weights["checkpoint_sha256"] == digest([Path(weights["checkpoint"])])
     assert result["provenance"]["code"]["commit"] and result["provenance"]["settings"]["episodes"] == 4
-    _check_auto_placement(result["auto_placement"], run_dir)
+    _check_auto_placement(result["auto_placement"], run_dir, devices=1)
     assert list(run_dir.glob("tb/events.out.tfevents.*"))
     assert len(list((run_dir / "videos").glob("*.mp4"))) == 1
     assert "success_once" in (run_dir / "eval.md").read_text()
@@ -143,7 +152,10 @@ def test_cli_train_then_eval_and_record(ray_cluster, tmp_path, capsys):
     stdout = capsys.readouterr().out
     evaluated = json.loads((eval_dir / "eval.json").read_text())
     assert evaluated["episodes"] == 6 and evaluated["seeds"] == list(range(1_000_000, 1_000_006))  # each once
-    assert len(list((eval_dir / "videos").glob("*.mp4"))) == 1  # eval.videos_per_task=1, one task
+    (video,) = (eval_dir / "videos").glob("*.mp4")  # eval.videos_per_task=1, one task
+    frames = imageio.mimread(video)
+    assert len(frames) == 51 and frames[0].shape == (256, 256, 3)  # 64 px renders, scaled x4 for the captions
+    assert frames[10].std() > 5
     # the checkpoint, evaluated afresh, replays the training run's own final evaluation exactly
     def episode(row: dict) -> dict:  # what happened, not which env slot ran it
         return {k: v for k, v in row.items() if k != "env"}
@@ -152,13 +164,17 @@ def test_cli_train_then_eval_and_record(ray_cluster, tmp_path, capsys):
     assert "| PushCube-v1 |" in stdout
     _check_results_are_kept(run_dir, eval_dir, capsys)
 
-    video_dir = tmp_path / "videos"
-    assert cli_main(["record", f"checkpoint={run_dir}", "eval.video_episodes=1", "env.render_size=64",
-                     f"runner.run_dir={video_dir}"]) == 0
-    (video,) = video_dir.glob("*.mp4")
-    frames = imageio.mimread(video)
-    assert len(frames) == 51 and frames[0].shape == (256, 256, 3)  # 64 px renders, scaled x4 for the captions
-    assert frames[10].std() > 5
+
+@pytest.mark.slow  # 75 s; test_cli_train_then_eval_and_record profiles, plans and runs the plan on one slot
+def test_auto_placement_on_two_slots_probes_a_pipeline_and_a_shared_device(tmp_path):
+    """On two devices the profile adds the probes a split plan needs: the rollout pipelined in two
+    micro-batches, and two env workers sharing a device."""
+    run_dir = tmp_path / "run"
+    proc = _train_auto(run_dir, devices=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for phase in ("profile 2/4: the same, pipelined", "profile 3/4: two env workers sharing a device"):
+        assert phase in proc.stderr, phase
+    _check_auto_placement(json.loads((run_dir / "eval.json").read_text())["auto_placement"], run_dir, devices=2)
 
 
 def _check_results_are_kept(run_dir: Path, eval_dir: Path, capsys) -> None:
@@ -191,7 +207,7 @@ def _check_results_are_kept(run_dir: Path, eval_dir: Path, capsys) -> None:
     assert len(rows) == 3 and str(earlier.resolve()) in rows[2]
 
 
-def _check_auto_placement(report: dict, run_dir: Path) -> None:
+def _check_auto_placement(report: dict, run_dir: Path, devices: int) -> None:
     """The run profiled every stage, ran the plan it reports, and predicted its iteration time."""
     from embodied.config import load_yaml
     from embodied.runner import STAGE_RUNNERS
@@ -213,8 +229,8 @@ def _check_auto_placement(report: dict, run_dir: Path) -> None:
     assert 0.1 < ratio < 20
     # the same config on the same machine reads the cache instead of measuring again
     cfg = load_yaml(run_dir / "config.yaml")  # the run's env, policy and algorithm: what the key hashes
-    _, path, measured_now = cached_profile(cfg, profile_sizes(4), 2, Path(report["profile"]).parent, STAGE_RUNNERS,
-                                         log=print)
+    _, path, measured_now = cached_profile(cfg, profile_sizes(4), devices, Path(report["profile"]).parent,
+                                           STAGE_RUNNERS, log=print)
     assert not measured_now and str(path) == report["profile"]
 
 
@@ -237,19 +253,24 @@ def test_resolved_config_is_written(tmp_path):
 
 
 def test_seeded_runs_are_identical(ray_cluster, tmp_path):
-    weights = []
-    for name in ("a", "b", "c"):
-        seed = "runner.seed=7" if name != "c" else "runner.seed=8"
-        cfg = small_config(f"runner.run_dir={tmp_path / name}", "runner.total_env_steps=80", seed)
-        trainer = Trainer(cfg, tmp_path / name)
-        try:
-            trainer.train()
-            weights.append(trainer.workers.actor.call("get_weights")[0])
-        finally:
-            trainer.close()
-    for key in weights[0]:
-        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=0, atol=0)
-    assert any(not torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
+    """Two runs of one seed end with the same weights, bit for bit, and those weights moved; the actor's
+    first weights are drawn from runner.seed's own stream, so another seed starts elsewhere."""
+    runs = []
+    for name in ("a", "b"):
+        cfg = small_config(f"runner.run_dir={tmp_path / name}", "runner.total_env_steps=80", "runner.seed=7")
+        runs.append(train_between_weights(cfg, tmp_path / name))
+    (start, _, a), (_, _, b) = runs
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    assert any(not torch.equal(start[k], a[k]) for k in a)  # training changed them: the equality is not idle
+    state = load_checkpoint(tmp_path / "a")
+
+    def first_weights(seed: int) -> dict:
+        torch.manual_seed(RunSeeds(seed).generator(Purpose.INIT))
+        return make_policy(cfg.policy, state["obs_spec"], state["action_dim"]).state_dict()
+
+    assert all(torch.equal(start[k], v) for k, v in first_weights(7).items())
+    assert any(not torch.equal(start[k], v) for k, v in first_weights(8).items())
 
 
 def test_record_without_checkpoint_films_a_random_policy(ray_cluster, tmp_path):
