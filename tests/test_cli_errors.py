@@ -142,16 +142,23 @@ def test_a_real_process_exits_2_with_one_paragraph(name):
     _assert_one_paragraph(proc.returncode, proc.stderr, must_mention)
 
 
-def test_placement_beyond_the_clusters_devices_exits_2():
-    """The one check that needs the cluster (how many devices it has): after Ray starts, before workers."""
-    proc = run_cli("train", "placement.env=0-7", timeout=120)
-    _assert_one_paragraph(proc.returncode, proc.stderr, ["placement.env", "ray.num_cpus"])
+def test_placement_beyond_the_clusters_devices_exits_2(ray_cluster, tmp_path, capsys):
+    """The one check that needs the cluster (how many devices it has): after Ray starts, before workers.
+    The CLI's main in this process, on the session's cluster of 2 CPU slots (a process of its own is the
+    tests above)."""
+    from embodied.cli import main as cli_main
+
+    code = cli_main(["train", "placement.env=0-7", f"runner.run_dir={tmp_path / 'run'}"])
+    _assert_one_paragraph(code, capsys.readouterr().err, ["placement.env", "ray.num_cpus"])
 
 
-def test_env_that_fails_to_build_names_the_cause_and_exits_3():
-    proc = run_cli("train", "env.control_mode=pd_bogus", "env.num_envs=4", timeout=180)
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+def test_env_that_fails_to_build_names_the_cause_and_exits_3(ray_cluster, tmp_path, capsys):
+    from embodied.cli import main as cli_main  # in this process: fresh workers on the session's cluster
+
+    code = cli_main(["train", "env.control_mode=pd_bogus", "env.num_envs=4", f"runner.run_dir={tmp_path / 'run'}"])
+    stderr = capsys.readouterr().err
+    assert code == 3, stderr[-2000:]
+    error = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert error and "failed to start" in error[0] and "pd_bogus not in supported modes" in error[0]
 
 

@@ -84,6 +84,9 @@ def test_videos_go_to_each_tasks_first_episodes():
     assert video_episodes(seeds, cfg, per_task=2) == {0, 1, 4, 5, 8, 9}
 
 
+# slow, 23 s: tests/test_train_e2e.py's test_cli_train_then_eval_and_record evaluates 6 seeds on 4 envs (each
+# once, a padded round, 51-frame videos) and tests/test_eval_exact.py's episodes depend on their seeds only
+@pytest.mark.slow
 def test_every_seed_runs_exactly_once_with_padding(ray_cluster):
     """7 episodes on 4 envs: two rounds, one padded slot whose episode is not reported; the
     recorded episodes' frames are the eval's own (T + 1 frames)."""

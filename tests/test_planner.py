@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from envs.common import UserError
 from scheduler.cost_model import (
     Candidate,
     Curve,
@@ -174,8 +175,8 @@ def test_a_saved_profile_answers_what_if_questions_offline(tmp_path, capsys):
 
     assert show_plans(["env.num_envs=64"], 16, str(path), True, devices_per_node=8) == 0
     assert json.loads(capsys.readouterr().out)["nodes"] == 2
-    proc = run_cli("plan", "--profile", str(tmp_path / "missing.json"))
-    assert proc.returncode == 2 and "no such file" in proc.stderr
+    with pytest.raises(UserError, match="no such file"):  # the CLI's exit 2, in this process
+        show_plans([], None, str(tmp_path / "missing.json"), False)
 
 
 # -- data-parallel actor ranks ---------------------------------------------------------------

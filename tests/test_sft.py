@@ -112,7 +112,9 @@ def _demo_logp(policy, demos) -> float:
     return float(token_logp.mean())
 
 
-@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+# replicate (a gradient all-reduce) is slow, for the suite's time: FSDP shards too, and replicate's update on
+# two ranks is tests/test_data_parallel.py's (slow there as well: its FSDP cases run by default)
+@pytest.mark.parametrize("strategy", [pytest.param("replicate", marks=pytest.mark.slow), "fsdp"])
 def test_sft_on_two_ranks_gives_the_weights_of_one_rank(cfg, demos, ray_cluster, tmp_path, strategy):
     """``placement.actor_workers=2``: two SFT ranks (real Ray actors, gloo) train to the weights and
     Adam moments of the one in-process rank, and report its statistics. One epoch (5 steps, the

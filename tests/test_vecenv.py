@@ -205,6 +205,9 @@ def test_crashed_env_process_is_replaced_and_its_episodes_fail():
         reference.close()
 
 
+# slow, 13 s: tests/test_subproc.py's hung render (found at its deadline, then replaced) and
+# tests/test_faults.py's chaos test (a stopped env worker) cover it
+@pytest.mark.slow
 def test_hung_env_process_is_replaced():
     import os
     import signal
