@@ -152,13 +152,10 @@ def test_placement_beyond_the_clusters_devices_exits_2(ray_cluster, tmp_path, ca
     _assert_one_paragraph(code, capsys.readouterr().err, ["placement.env", "ray.num_cpus"])
 
 
-def test_env_that_fails_to_build_names_the_cause_and_exits_3(ray_cluster, tmp_path, capsys):
-    from embodied.cli import main as cli_main  # in this process: fresh workers on the session's cluster
-
-    code = cli_main(["train", "env.control_mode=pd_bogus", "env.num_envs=4", f"runner.run_dir={tmp_path / 'run'}"])
-    stderr = capsys.readouterr().err
-    assert code == 3, stderr[-2000:]
-    error = [line for line in stderr.splitlines() if line.startswith("error: ")]
+def test_env_that_fails_to_build_names_the_cause_and_exits_3():
+    proc = run_cli("train", "env.control_mode=pd_bogus", "env.num_envs=4", timeout=180)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert error and "failed to start" in error[0] and "pd_bogus not in supported modes" in error[0]
 
 

@@ -241,19 +241,14 @@ def test_the_issues_command_exits_2_before_ray_starts_naming_the_buffer_and_the_
         assert words in proc.stderr, (words, proc.stderr)
 
 
-def test_a_buffer_that_cannot_be_allocated_mid_run_stops_it_with_exit_2_not_restarts(ray_cluster, tmp_path, capsys):
+def test_a_buffer_that_cannot_be_allocated_mid_run_stops_it_with_exit_2_not_restarts(tmp_path):
     """The plan skipped (runner.memory_check=off): the actor's first update cannot allocate the buffer, and the run
-    stops at once with the setting named, instead of replacing the actor runner.max_worker_restarts times. The
-    CLI's main in this process, on the session's cluster (the issue's command in a process of its own: above)."""
-    from embodied.cli import main as cli_main
-
-    code = cli_main(["train", "env=free", "algorithm=sac", "policy=mlp_sac", "algorithm.sac.buffer_size=10000000000000",
-                     "runner.memory_check=off", "env.num_envs=4", "placement.env_workers=1",
-                     "runner.total_env_steps=80", "runner.max_minutes=null", "runner.eval_every=0",
-                     "runner.progress=false", "eval.episodes=4", "eval.video_episodes=0",
-                     f"runner.run_dir={tmp_path / 'run'}"])
-    stderr = capsys.readouterr().err
-    assert code == 2, stderr[-3000:]
-    error = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    stops at once with the setting named, instead of replacing the actor runner.max_worker_restarts times."""
+    proc = run_cli("train", "env=free", "algorithm=sac", "policy=mlp_sac", "algorithm.sac.buffer_size=10000000000000",
+                   "runner.memory_check=off", "env.num_envs=4", "placement.env_workers=1", "runner.total_env_steps=80",
+                   "runner.max_minutes=null", "runner.eval_every=0", "runner.progress=false", "eval.episodes=4",
+                   "eval.video_episodes=0", f"runner.run_dir={tmp_path / 'run'}", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert error and "could not allocate memory" in error[0] and "lower algorithm.sac.buffer_size" in error[0], error
-    assert "replacing the workers" not in stderr
+    assert "replacing the workers" not in proc.stderr

@@ -116,6 +116,7 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration  # a driver, its Ray cluster and a worker's child: not the fast tier
 def test_a_local_cluster_ends_with_its_driver_also_when_the_driver_is_sigkilled(ray_tmp):
     """SIGKILL leaves Ray's DashboardAgent and RuntimeEnvAgent under PID 1 for good, and any process a
     worker started; the reaper ends them all. Before that, the same driver's ray.shutdown() path: the

@@ -269,8 +269,11 @@ def test_seeded_runs_are_identical(ray_cluster, tmp_path):
         torch.manual_seed(RunSeeds(seed).generator(Purpose.INIT))
         return make_policy(cfg.policy, state["obs_spec"], state["action_dim"]).state_dict()
 
-    assert all(torch.equal(start[k], v) for k, v in first_weights(7).items())
-    assert any(not torch.equal(start[k], v) for k, v in first_weights(8).items())
+    # orthogonal init runs a QR decomposition, whose last bits follow this process's BLAS threads, not the
+    # worker's: close, not equal; another seed's weights are another draw, far from these
+    for k, v in first_weights(7).items():
+        torch.testing.assert_close(start[k], v, rtol=1e-5, atol=1e-6)
+    assert max((start[k] - v).abs().max().item() for k, v in first_weights(8).items()) > 0.1
 
 
 def test_record_without_checkpoint_films_a_random_policy(ray_cluster, tmp_path):
