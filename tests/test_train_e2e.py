@@ -269,10 +269,10 @@ def test_seeded_runs_are_identical(ray_cluster, tmp_path):
         torch.manual_seed(RunSeeds(seed).generator(Purpose.INIT))
         return make_policy(cfg.policy, state["obs_spec"], state["action_dim"]).state_dict()
 
-    # orthogonal init runs a QR decomposition, whose last bits follow this process's BLAS threads, not the
-    # worker's: close, not equal; another seed's weights are another draw, far from these
+    # orthogonal init runs a QR decomposition whose rounding follows the process it runs in (the worker's
+    # and this one's differed by up to 2.4e-6 in CI): equal to 1e-4, where another seed differs by over 0.1
     for k, v in first_weights(7).items():
-        torch.testing.assert_close(start[k], v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(start[k], v, rtol=0, atol=1e-4)
     assert max((start[k] - v).abs().max().item() for k, v in first_weights(8).items()) > 0.1
 
 
